@@ -1,0 +1,148 @@
+"""A small GPT-style language model as a plain LightningModule, and a data module that needs no download.
+
+Nothing here knows about sharding: ShardStrategy, activation checkpointing and the monitors are
+applied from the outside, by flag.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+_SUBJECTS = ["the miller", "a sailor", "the old king", "my sister", "the river", "a grey fox", "the clerk"]
+_VERBS = ["carried", "remembered", "watched", "painted", "followed", "forgot", "praised"]
+_OBJECTS = ["the lantern", "a letter", "the harbour", "seven stones", "the winter road", "a silver cup"]
+_ENDS = ["before dawn", "in the rain", "without a word", "at the fair", "for a long time", "again"]
+
+
+def generate_text(n_sentences: int = 4000, seed: int = 0) -> str:
+    """A deterministic English-like corpus from a small grammar (no download, no licence question)."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(n_sentences):
+        words = [rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS), rng.choice(_ENDS)]
+        sentences.append(" ".join(words).capitalize() + ".")
+    return " ".join(sentences)
+
+
+class CharDataset(Dataset):
+    """Byte-level next-token prediction windows over a text (vocabulary: 256 byte values)."""
+
+    def __init__(self, text: str, seq_len: int) -> None:
+        self.data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(self, seq_len: int = 128, batch_size: int = 8, n_sentences: int = 4000, seed: int = 0) -> None:
+        super().__init__()
+        self.seq_len, self.batch_size, self.n_sentences, self.seed = seq_len, batch_size, n_sentences, seed
+
+    def setup(self, stage: str | None = None) -> None:
+        self.dataset = CharDataset(generate_text(self.n_sentences, self.seed), self.seq_len)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)  # 3 x (b, t, c)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))  # (b, h, t, d)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (b, h, t, d)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied input / output embedding
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)  # (b, t, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # (b, t, vocab)
+
+
+class GPTModule(L.LightningModule):
+    """Next-byte prediction with AdamW and a cosine schedule; a plain LightningModule."""
+
+    def __init__(
+        self, vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+        dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, max_steps: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+        )
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.hparams.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,63 @@
+"""Run a function on several processes over gloo and gather what each rank returns.
+
+Ranks are started with ``spawn`` (never fork: the parent may hold OpenMP threads), rendezvous
+through the torchrun environment variables, and use one thread each. A rank's exception is
+re-raised in the parent with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple, kwargs: dict) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    result = fn(*args, **kwargs)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned processes; return each rank's result."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry, args=(fn, world_size, port, out_dir, args, kwargs), nprocs=world_size, start_method="spawn"
+        )
+        results = []
+        for rank in range(world_size):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+    return results
