@@ -1,0 +1,130 @@
+"""Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), committed atomically.
+
+Layout of a sharded checkpoint ``<name>.ckpt/`` (a directory):
+
+* DCP shards and ``.metadata`` for ``{"state_dict": model, "optimizer_0": ..., ...}``, keyed by
+  parameter name, so a checkpoint written by N ranks at any stage loads on M ranks at any stage;
+* ``meta.pt``: everything else Lightning saves (loops, callbacks, LR schedulers, hyperparameters).
+
+Every rank writes into ``<name>.ckpt.tmp``; rank 0 renames it to ``<name>.ckpt`` only after all
+ranks have written their shards and the metadata, so a crash mid-save never leaves a
+half-written checkpoint under a final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+META_FILENAME = "meta.pt"
+MODEL_KEY = "state_dict"
+TMP_SUFFIX = ".tmp"
+
+
+def optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / META_FILENAME).is_file()
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def save_sharded(
+    path: Path, state: dict[str, Any], meta: dict[str, Any], is_rank0: bool, barrier: Callable[[], None]
+) -> None:
+    """Write ``state`` as DCP shards plus ``meta`` under ``path``, visible only once complete."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    if is_rank0:
+        _remove(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    if is_rank0:
+        torch.save(meta, tmp / META_FILENAME)
+        commit(tmp, path)
+    barrier()
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Move a fully written checkpoint to its final name, replacing an older one of that name."""
+    if path.exists() or path.is_symlink():
+        old = path.with_name(path.name + ".old")
+        _remove(old)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        _remove(old)
+    else:
+        os.replace(tmp, path)
+
+
+def save_file(checkpoint: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary file, then rename: a reader never sees a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+def load_sharded(path: Path, target: dict[str, Any]) -> None:
+    """Fill ``target`` (model / optimizer state dicts of this rank's layout) in place from ``path``."""
+    dcp.load(target, checkpoint_id=str(path))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return torch.load(path / META_FILENAME, weights_only=False, map_location="cpu")
+
+
+def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint (sharded directory or single file), in this process.
+
+    Needs no process group: DCP reads every shard of the requested keys.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    if path.is_file():
+        checkpoint = torch.load(path, weights_only=False, map_location="cpu")
+        return checkpoint.get(MODEL_KEY, checkpoint)
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
+            " it may be a save that never completed."
+        )
+    prefix = MODEL_KEY + "."
+    target = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in read_metadata(path).state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    return {key[len(prefix) :]: value for key, value in target.items()}
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the model weights of a checkpoint as one plain ``torch.save``'d state dict."""
+    weights = load_model_weights(path)
+    out = Path(out)
+    save_file(weights, out)
+    return out
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)

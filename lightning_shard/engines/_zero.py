@@ -1,0 +1,111 @@
+"""Stage 1: the user's optimizer behind ``ZeroRedundancyOptimizer``, with name-keyed, reshardable state.
+
+``ZeroRedundancyOptimizer`` gives each rank the optimizer state of its own partition of the
+parameters. Its ``state_dict`` can only be consolidated on one rank, which neither scales nor
+reshards; here each rank contributes the entries of the parameters it owns, keyed by parameter
+name, in the same layout ``get_optimizer_state_dict`` uses at stages 2-3. So one checkpoint format
+serves every stage and any world size: a rank loads whichever entries its new partition owns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+
+def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyOptimizer:
+    """A ZeroRedundancyOptimizer of the same class, hyperparameters and param groups as ``optimizer``."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), process_group=process_group, **_constructor_defaults(optimizer)
+    )
+
+
+def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    # Some optimizers record defaults their constructor does not take (AdamW's
+    # decoupled_weight_decay); every group carries them anyway, so pass only what the constructor accepts.
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    inner = getattr(model, "module", model)
+    return {p: name for name, p in inner.named_parameters()}
+
+
+def _global_groups(zero: ZeroRedundancyOptimizer, names: dict[nn.Parameter, str]) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in zero.param_groups
+    ]
+
+
+def _local_params(zero: ZeroRedundancyOptimizer) -> list[nn.Parameter]:
+    return [p for group in zero.optim.param_groups for p in group["params"]]
+
+
+def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[str, Any]:
+    """``{"state": {name: {...}}, "param_groups": [...]}``: this rank's entries, or every rank's if ``full``."""
+    assert isinstance(zero, ZeroRedundancyOptimizer)
+    names = _param_names(model)
+    state = {
+        names[p]: {k: (v.detach().cpu() if full and torch.is_tensor(v) else v) for k, v in zero.optim.state[p].items()}
+        for p in _local_params(zero)
+        if p in zero.optim.state
+    }
+    if full and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        state = {name: entry for part in gathered for name, entry in part.items()}
+    return {"state": state, "param_groups": _global_groups(zero, names)}
+
+
+def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[str, Any]:
+    """Empty tensors, shaped from the checkpoint's metadata, for the entries this rank owns."""
+    assert isinstance(zero, ZeroRedundancyOptimizer)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = _param_names(model)
+    entries = meta.state_dict_metadata
+    state: dict[str, dict[str, Any]] = {}
+    for p in _local_params(zero):
+        prefix = f"{key}.state.{names[p]}."
+        fields = {k[len(prefix) :]: md for k, md in entries.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+        state[names[p]] = {
+            name: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            for name, md in fields.items()
+        }
+    return {"state": state, "param_groups": _global_groups(zero, names)}
+
+
+def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Install the entries this rank owns and every group's hyperparameters (from any stage's checkpoint)."""
+    assert isinstance(zero, ZeroRedundancyOptimizer)
+    names = _param_names(model)
+    saved = state_dict["state"]
+    for p in _local_params(zero):
+        entry = saved.get(names[p])
+        if entry is None:
+            continue
+        zero.optim.state[p] = {
+            k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
+            for k, v in entry.items()
+        }
+    groups = state_dict["param_groups"]
+    if len(groups) != len(zero.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(groups)} param groups but configure_optimizers() made"
+            f" {len(zero.param_groups)}. Resume with the same optimizer set-up."
+        )
+    for live, loaded in zip(zero.param_groups, groups, strict=True):
+        live.update({k: v for k, v in loaded.items() if k != "params"})

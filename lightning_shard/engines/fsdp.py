@@ -1,0 +1,149 @@
+"""The torch-native engine: DDP (stage 0), DDP + ZeroRedundancyOptimizer (stage 1), FSDP2 (stages 2-3).
+
+ZeRO stage to torch building block:
+
+=====  ===========================================  =================================================
+stage  what is sharded over N ranks                 torch
+=====  ===========================================  =================================================
+0      nothing                                      ``DistributedDataParallel``
+1      optimizer state                              DDP + ``ZeroRedundancyOptimizer``
+2      optimizer state, gradients                   ``fully_shard(reshard_after_forward=False)``
+3      optimizer state, gradients, parameters       ``fully_shard(reshard_after_forward=True)``
+=====  ===========================================  =================================================
+
+FSDP2 keeps parameters sharded between steps at stage 2 as well; what stage 2 saves over stage 3 is
+the second all-gather in backward (parameters stay gathered from forward to backward).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_shard._modules import detect_block_classes, find_blocks
+from lightning_shard.engines import _zero
+from lightning_shard.precision import ShardPrecision
+
+log = logging.getLogger(__name__)
+
+
+class FSDPEngine:
+    """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
+
+    def __init__(
+        self,
+        stage: int,
+        mesh: Any,
+        precision: ShardPrecision,
+        shard_modules: tuple[type[nn.Module], ...] | None = None,
+        offload_policy: Any = None,
+    ) -> None:
+        self.stage = stage
+        self.mesh = mesh
+        self.precision = precision
+        self.shard_modules = shard_modules
+        self.offload_policy = offload_policy
+        self.sharded_blocks: list[nn.Module] = []
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"ShardStrategy(stage={self.stage}) found no trainable parameters in {type(module).__name__}:"
+                " there is nothing to shard or synchronise. Check requires_grad, or train without a strategy."
+            )
+        if self.stage >= 2:
+            return self._fully_shard(module)
+        return self._ddp(module)
+
+    def _fully_shard(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+        classes = self.shard_modules or detect_block_classes(module)
+        blocks = find_blocks(module, classes) if classes else []
+        if self.shard_modules and not blocks:
+            names = ", ".join(c.__qualname__ for c in self.shard_modules)
+            raise ValueError(
+                f"ShardStrategy(shard_modules={{{names}}}) matches no submodule of {type(module).__name__}."
+                " Name the class of the model's repeated blocks, or pass shard_modules=None to detect it."
+            )
+        if not blocks:
+            log.info("ShardStrategy: no repeated block class found; %s is one sharding unit.", type(module).__name__)
+        kwargs: dict[str, Any] = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.stage == 3,
+            "mp_policy": self.precision.fsdp_mp_policy(),
+            "offload_policy": self.offload_policy or OffloadPolicy(),
+        }
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        self.sharded_blocks = blocks
+        return module
+
+    def _ddp(self, module: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = self.mesh.device_type
+        device_ids = None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.mesh.get_group())
+        reduce_dtype = self.precision.reduce_dtype
+        if reduce_dtype in (torch.bfloat16, torch.float16):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+            ddp.register_comm_hook(self.mesh.get_group(), hook)
+        return ddp
+
+    def wrap_optimizers(self, model: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
+        if self.stage != 1:
+            return optimizers
+        return [_zero.shard_optimizer(opt, self.mesh.get_group()) for opt in optimizers]
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
+        if self.stage < 2:
+            with model.no_sync():  # type: ignore[operator]
+                yield
+            return
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any], full: bool) -> None:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=True))
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+        if self.stage == 1:
+            return _zero.optimizer_state_dict(model, optimizer, full)
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+        )
+
+    def optimizer_load_target(self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str) -> dict[str, Any]:
+        if self.stage == 1:
+            return _zero.load_target(model, optimizer, meta, key)
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool) -> None:
+        if self.stage == 1:
+            _zero.load_optimizer_state_dict(model, optimizer, state)
+            return
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))

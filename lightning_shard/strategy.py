@@ -1,0 +1,393 @@
+"""ShardStrategy: ZeRO stages 0-3 for any LightningModule, on CPU (gloo) and CUDA (nccl).
+
+The strategy owns the process group and the device mesh, validates flags before any process
+starts, and delegates sharding, state dicts and gradient sync to one engine
+(:mod:`lightning_shard.engines`). Checkpoints go through :mod:`lightning_shard.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard import checkpoint as ckpt
+from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard.engines.fsdp import FSDPEngine
+from lightning_shard.precision import ShardPrecision, to_shard_precision
+
+log = logging.getLogger(__name__)
+
+Engine = Literal["auto", "fsdp", "deepspeed"]
+CheckpointMode = Literal["sharded", "full"]
+_STAGES = (0, 1, 2, 3)
+
+
+class ShardStrategy(ParallelStrategy):
+    """Train any LightningModule with ZeRO-style sharding, chosen by flag.
+
+    ==========  =====================  ====================  ======================
+    ``stage``   optimizer state / rank  gradients / rank      parameters / rank
+    ==========  =====================  ====================  ======================
+    0           K·Ψ                     2·Ψ (fp16) or 4·Ψ     all
+    1           K·Ψ / N                 all                   all
+    2           K·Ψ / N                 Ψ / N                 all in fwd+bwd
+    3           K·Ψ / N                 Ψ / N                 Ψ / N
+    ==========  =====================  ====================  ======================
+
+    (Ψ parameters, N ranks, K bytes of optimizer state per parameter, e.g. 8 for fp32 Adam.)
+
+    Args:
+        stage: ZeRO stage, 0 (replicated, DDP) to 3 (parameters, gradients and optimizer state sharded).
+        engine: ``"auto"`` (FSDP2), ``"fsdp"``, or ``"deepspeed"``.
+        shard_modules: module classes (or import-path strings) that become sharding units at stages 2-3;
+            ``None`` detects the model's repeated block class.
+        checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default gloo on CPU and nccl on CUDA.
+        timeout: process-group timeout.
+    """
+
+    strategy_name = "shard"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        engine: Engine = "auto",
+        shard_modules: Iterable[ModuleClassSpec] | ModuleClassSpec | None = None,
+        checkpoint: CheckpointMode = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if isinstance(stage, bool) or stage not in _STAGES:
+            raise ValueError(
+                f"ShardStrategy(stage={stage!r}) is not a ZeRO stage. Use 0 (DDP), 1 (optimizer state sharded),"
+                " 2 (+ gradients) or 3 (+ parameters)."
+            )
+        if engine not in ("auto", "fsdp", "deepspeed"):
+            raise ValueError(f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'.")
+        if engine == "deepspeed":
+            raise NotImplementedError(
+                "ShardStrategy(engine='deepspeed') is not available in this version. Use engine='auto' or 'fsdp'."
+            )
+        if checkpoint not in ("sharded", "full"):
+            raise ValueError(
+                f"ShardStrategy(checkpoint={checkpoint!r}) is unknown. Use 'sharded' (one shard per rank, a directory)"
+                " or 'full' (one file readable with torch.load)."
+            )
+        self.stage = stage
+        self.engine_name = "fsdp"
+        self._shard_modules = resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)")
+        self.checkpoint_mode: CheckpointMode = checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Any = None
+        self._engine: FSDPEngine | None = None
+        self.num_nodes = 1
+
+    # --- precision -------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> ShardPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ShardPrecision()
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning assigns the plugin it built from Trainer(precision=...): translate it here, at
+        # Trainer construction, so an unsupported precision fails before any process starts.
+        self._precision_plugin = None if plugin is None else to_shard_precision(plugin)
+
+    # --- processes and devices -------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError("ShardStrategy.device_mesh is only available once processes have started.")
+        return self._device_mesh
+
+    @property
+    def engine(self) -> FSDPEngine:
+        if self._engine is None:
+            raise RuntimeError("ShardStrategy.engine is only available once the Trainer has set the model up.")
+        return self._engine
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's connector: a custom strategy must say so to get a DistributedSampler.
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # --- model and optimizers --------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
+        self._engine = FSDPEngine(self.stage, self.device_mesh, self.precision_plugin, self._shard_modules)
+        module = self.precision_plugin.convert_module(self.model)
+        if self.stage < 2:
+            module.to(self.root_device)
+        self.model = self._engine.wrap(module)
+        _materialize_distributed_module(self.lightning_module, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: L.Trainer) -> None:
+        # Re-made on every setup: the optimizer must hold the parameters of the module as now wrapped.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        originals = list(self.optimizers)
+        wrapped = self.engine.wrap_optimizers(self.model, originals)
+        for old, new in zip(originals, wrapped, strict=True):
+            for config in self.lr_scheduler_configs:
+                if getattr(config.scheduler, "optimizer", None) is old:
+                    config.scheduler.optimizer = new  # type: ignore[union-attr]
+        self.optimizers = wrapped
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # FSDP2's hooks sit on the root module's forward, but Lightning calls training_step:
+        # route the step through forward so parameters are gathered and gradients reduced.
+        assert self.lightning_module is not None
+        if self.model is self.lightning_module and self.stage >= 2:
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        if self.model is not self.lightning_module:
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._engine is None or self.model is None:
+            yield
+            return
+        with self._engine.no_sync(self.model):
+            yield
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def _full(self) -> bool:
+        return self.checkpoint_mode == "full"
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self.engine.model_state_dict(self.model, full=self._full)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return self.engine.optimizer_state_dict(self.model, optimizer, full=self._full)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint(), straight into the sharded layout
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
+        path = Path(self.broadcast(str(filepath)))
+        if not self._full:
+            state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                state[ckpt.optimizer_key(i)] = opt_state
+            ckpt.save_sharded(path, state, checkpoint, self.is_global_zero, self.barrier)
+            return
+        if self.is_global_zero:
+            ckpt.save_file(checkpoint, path)
+        self.barrier()
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            ckpt._remove(Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        if path.is_dir():
+            return self._load_sharded(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        self.engine.load_model_state_dict(self.model, checkpoint["state_dict"], full=True)
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            self.engine.load_optimizer_state_dict(self.model, optimizer, state, full=True)
+        return checkpoint
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        if not ckpt.is_sharded_checkpoint(path):
+            raise ValueError(
+                f"{str(path)!r} is not a complete sharded checkpoint (missing .metadata or {ckpt.META_FILENAME})."
+                " Resume from a checkpoint whose save finished."
+            )
+        assert self.model is not None
+        meta = ckpt.read_metadata(path)
+        target: dict[str, Any] = {ckpt.MODEL_KEY: self.engine.model_state_dict(self.model, full=False)}
+        for i, optimizer in enumerate(self.optimizers):
+            key = ckpt.optimizer_key(i)
+            if any(k.startswith(key + ".") for k in meta.state_dict_metadata):
+                target[key] = self.engine.optimizer_load_target(self.model, optimizer, meta, key)
+        ckpt.load_sharded(path, target)
+        self.engine.load_model_state_dict(self.model, target[ckpt.MODEL_KEY], full=False)
+        for i, optimizer in enumerate(self.optimizers):
+            if ckpt.optimizer_key(i) in target:
+                self.engine.load_optimizer_state_dict(self.model, optimizer, target[ckpt.optimizer_key(i)], full=False)
+        return ckpt.read_meta(path)

@@ -1,0 +1,75 @@
+"""Shared pieces for tests: a tiny GPT, fixed data, a loss recorder, and a fit runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+from examples.gpt import GPTModule
+
+VOCAB, SEQ = 64, 16
+
+
+def tiny_gpt(**overrides: Any) -> GPTModule:
+    kwargs: dict[str, Any] = dict(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=2, lr=1e-2, max_steps=50)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    return GPTModule(**kwargs)
+
+
+def token_dataset(n: int = 64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def loader(batch_size: int, n: int = 64) -> DataLoader:
+    """In order, split across ranks like a DistributedSampler without shuffling (pair with
+    ``use_distributed_sampler=False``), so 2 ranks x batch b see what one process sees with 2b."""
+    dataset = token_dataset(n)
+    if dist.is_available() and "WORLD_SIZE" in __import__("os").environ:
+        import os
+
+        from torch.utils.data import DistributedSampler
+
+        sampler = DistributedSampler(dataset, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), shuffle=False)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+class LossRecorder(L.Callback):
+    """Records the step loss averaged over ranks (the quantity a single-process run sees)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        self.losses.append(loss.item())
+
+
+def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """The unsharded model weights (on every rank), whatever the strategy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = trainer.strategy.model
+    if dist.is_initialized():
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone() for k, v in sd.items()}
+    return {k: v.detach().float().clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, max_steps=5, num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
