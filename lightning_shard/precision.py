@@ -168,8 +168,10 @@ def to_shard_precision(plugin: Precision) -> ShardPrecision:
         return plugin
     if type(plugin) is Precision:
         return ShardPrecision("32-true")
+    precision = getattr(plugin, "precision", None)
+    if isinstance(precision, str):
+        _check_precision(precision, "Trainer(strategy=ShardStrategy(...))")
     if isinstance(plugin, (MixedPrecision, HalfPrecision)):
-        _check_precision(plugin.precision, "Trainer(strategy=ShardStrategy(...))")
         return ShardPrecision(plugin.precision)  # type: ignore[arg-type]
     raise ValueError(
         f"ShardStrategy cannot run with the precision plugin {type(plugin).__name__}"

@@ -31,14 +31,24 @@ def loader(batch_size: int, n: int = 64) -> DataLoader:
     """In order, split across ranks like a DistributedSampler without shuffling (pair with
     ``use_distributed_sampler=False``), so 2 ranks x batch b see what one process sees with 2b."""
     dataset = token_dataset(n)
-    if dist.is_available() and "WORLD_SIZE" in __import__("os").environ:
-        import os
-
+    world = _world()
+    if world is not None:
         from torch.utils.data import DistributedSampler
 
-        sampler = DistributedSampler(dataset, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), shuffle=False)
+        sampler = DistributedSampler(dataset, num_replicas=world[1], rank=world[0], shuffle=False)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def _world() -> tuple[int, int] | None:
+    """(rank, world size) of a run on several processes, before or after its process group exists."""
+    import os
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 class LossRecorder(L.Callback):

@@ -1,0 +1,114 @@
+"""Flag validation, registry names, precision mapping: one process, no process group."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+from examples.gpt import Block
+from lightning_shard import ShardPrecision, ShardStrategy
+from lightning_shard._modules import detect_block_classes, find_blocks, resolve_module_classes
+from lightning_shard.engines.fsdp import FSDPEngine
+from tests.helpers import tiny_gpt
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "3", True, 2.5])
+def test_stage_out_of_range(stage):
+    with pytest.raises(ValueError, match=r"ShardStrategy\(stage=.*\) is not a ZeRO stage"):
+        ShardStrategy(stage=stage)
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match=r"engine='megatron'\) is unknown. Use 'auto', 'fsdp' or 'deepspeed'"):
+        ShardStrategy(engine="megatron")
+
+
+def test_deepspeed_engine_not_yet():
+    with pytest.raises(NotImplementedError, match=r"engine='deepspeed'\) is not available"):
+        ShardStrategy(engine="deepspeed")
+
+
+def test_unknown_checkpoint_mode():
+    with pytest.raises(ValueError, match=r"checkpoint='zip'\) is unknown"):
+        ShardStrategy(checkpoint="zip")
+
+
+@pytest.mark.parametrize("name, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_registered_names_equal_constructor(name, stage):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    strategy = trainer.strategy
+    reference = ShardStrategy(stage=stage)
+    assert isinstance(strategy, ShardStrategy)
+    assert (strategy.stage, strategy.engine_name, strategy.checkpoint_mode) == (
+        reference.stage, reference.engine_name, reference.checkpoint_mode
+    )
+    assert StrategyRegistry[name]["init_params"] == {"stage": stage}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_trainer_precision_maps_to_shard_precision(precision):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), precision=precision, logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, ShardPrecision) and plugin.precision == precision
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
+def test_unsupported_precision_fails_at_construction(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}', which sharded training does not support"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), precision=precision, logger=False)
+
+
+def test_explicit_shard_precision_is_kept():
+    plugin = ShardPrecision("bf16-mixed", reduce_dtype=torch.float32)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), plugins=[plugin], logger=False)
+    assert trainer.strategy.precision_plugin is plugin
+    policy = plugin.fsdp_mp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_shard_precision_bad_values():
+    with pytest.raises(ValueError, match=r"ShardPrecision got precision='fp8'"):
+        ShardPrecision("fp8")
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.int32\) must be a floating torch.dtype"):
+        ShardPrecision("bf16-mixed", reduce_dtype=torch.int32)
+
+
+def test_shard_modules_accepts_import_paths_and_classes():
+    assert ShardStrategy(shard_modules=["examples.gpt.Block"])._shard_modules == (Block,)
+    assert ShardStrategy(shard_modules={Block})._shard_modules == (Block,)
+    assert resolve_module_classes("examples.gpt.Block", "flag") == (Block,)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (["examples.gpt.NoSuchBlock"], r"shard_modules=...\) entry 'examples.gpt.NoSuchBlock' could not be imported"),
+        (["Block"], r"entry 'Block' is not an import path"),
+        (["examples.gpt.generate_text"], r"is .* not an nn.Module subclass"),
+        ([3], r"entry 3 is neither an nn.Module subclass nor an import-path string"),
+        ([], r"shard_modules=...\) is empty"),
+    ],
+)
+def test_shard_modules_bad_entries(spec, match):
+    with pytest.raises(ValueError, match=match):
+        ShardStrategy(shard_modules=spec)
+
+
+def test_block_detection_finds_the_repeated_layer():
+    model = tiny_gpt()
+    assert detect_block_classes(model) == (Block,)
+    assert len(find_blocks(model, (Block,))) == 2
+    assert detect_block_classes(nn.Linear(2, 2)) == ()
+
+
+def test_shard_modules_matching_nothing_fails():
+    engine = FSDPEngine(3, mesh=None, precision=ShardPrecision(), shard_modules=(nn.GRU,))
+    with pytest.raises(ValueError, match=r"shard_modules=\{GRU\}\) matches no submodule of GPTModule"):
+        engine.wrap(tiny_gpt())
+
+
+def test_nothing_to_shard_fails():
+    model = tiny_gpt().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"stage=3\) found no trainable parameters in GPTModule"):
+        FSDPEngine(3, mesh=None, precision=ShardPrecision()).wrap(model)

@@ -1,0 +1,153 @@
+"""Stages 0-3 on 2 gloo ranks against a single-process reference: losses, clipping, accumulation, bytes."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_shard import ShardStrategy
+from lightning_shard.memory import model_state_bytes
+from tests._dist import run_ranks
+from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
+
+pytestmark = pytest.mark.multirank
+STAGES = (0, 1, 2, 3)
+
+
+def _reference(precision: str = "32-true", **kwargs) -> list[float]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, precision=precision, callbacks=[recorder], **trainer_kwargs(**kwargs))
+    trainer.fit(tiny_gpt(), loader(8))
+    return recorder.losses
+
+
+def _fit_stages(precision: str, **kwargs) -> dict[int, list[float]]:
+    out = {}
+    for stage in STAGES:
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=2, strategy=ShardStrategy(stage=stage), precision=precision, callbacks=[recorder],
+            **trainer_kwargs(**kwargs),
+        )
+        trainer.fit(tiny_gpt(), loader(4))
+        out[stage] = recorder.losses
+    return out
+
+
+@pytest.mark.parametrize("precision, rtol", [("32-true", 1e-5), ("bf16-mixed", 2e-2)])
+def test_loss_parity_every_stage(precision, rtol):
+    reference = _reference(precision)
+    results = run_ranks(_fit_stages, precision)[0]
+    assert len(reference) == 5
+    for stage in STAGES:
+        torch.testing.assert_close(results[stage], reference, rtol=rtol, atol=0, msg=f"stage {stage}")
+
+
+class _SyncCounter(L.Callback):
+    """Records, per micro-batch, whether gradients were communicated in its backward."""
+
+    def __init__(self) -> None:
+        self.synced: list[bool] = []
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+
+            def hook(state, bucket):
+                self.calls += 1
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                return allreduce_hook(state, bucket)
+
+            model.register_comm_hook(None, hook)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            self.synced.append(self.calls > 0)
+            self.calls = 0
+        else:
+            # FSDP2 writes reduced gradients to the sharded parameters only when it communicates.
+            self.synced.append(any(p.grad is not None for p in pl_module.parameters()))
+            if self.synced[-1]:
+                return
+
+
+def _fit_clip_accumulate() -> dict[int, tuple[list[float], list[bool]]]:
+    out = {}
+    for stage in STAGES:
+        recorder, counter = LossRecorder(), _SyncCounter()
+        trainer = L.Trainer(
+            devices=2, strategy=ShardStrategy(stage=stage), callbacks=[recorder, counter],
+            **trainer_kwargs(gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4),
+        )
+        trainer.fit(tiny_gpt(), loader(4))
+        out[stage] = (recorder.losses, counter.synced)
+    return out
+
+
+def test_clipping_and_accumulation_parity():
+    reference = _reference(gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4)
+    results = run_ranks(_fit_clip_accumulate)[0]
+    assert len(reference) == 8
+    for stage in STAGES:
+        losses, synced = results[stage]
+        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0, msg=f"stage {stage}")
+        assert synced == [False, True] * 4, f"stage {stage}: gradients communicated on {synced}"
+
+
+class _Stack(L.LightningModule):
+    """4 bias-free 64x64 layers: every size divides evenly by 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _Bytes(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.bytes = model_state_bytes(pl_module, trainer.optimizers)
+
+
+def _measure_bytes() -> dict[int, tuple[int, int, int]]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    out = {}
+    for stage in STAGES:
+        probe = _Bytes()
+        trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=stage), callbacks=[probe], **trainer_kwargs(max_steps=1))
+        trainer.fit(_Stack(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
+        out[stage] = (probe.bytes.parameters, probe.bytes.gradients, probe.bytes.optimizer)
+    return out
+
+
+def test_bytes_per_rank_follow_the_zero_table():
+    psi = 4 * 64 * 64 * 4  # fp32 parameter bytes
+    k = 2  # AdamW: exp_avg + exp_avg_sq, each the size of the parameter
+    expected = {  # (parameters, gradients, optimizer) on each of N=2 ranks
+        0: (psi, psi, k * psi),
+        1: (psi, psi, k * psi / 2),
+        2: (None, psi / 2, k * psi / 2),  # FSDP2 keeps stage-2 parameters sharded between steps
+        3: (psi / 2, psi / 2, k * psi / 2),
+    }
+    for rank_result in run_ranks(_measure_bytes):
+        for stage, measured in rank_result.items():
+            for got, want in zip(measured, expected[stage], strict=True):
+                if want is not None:
+                    assert abs(got - want) <= 0.05 * want, f"stage {stage}: {measured} vs {expected[stage]}"
