@@ -1,0 +1,81 @@
+"""Every command the README shows runs: the main job (few steps), consolidate, and CI's test command."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _quickstart_commands() -> list[str]:
+    section = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [line for line in blocks[0].splitlines() if line and not line.startswith("#")]
+
+
+def _python_part(command: str) -> list[str]:
+    return shlex.split(command.split("&&")[-1].strip())
+
+
+def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
+    commands = _quickstart_commands()
+    assert len(commands) == 2
+    assert all(c.startswith("pip install torch==2.13.0 && ") for c in commands)
+    test_command = commands[1].split("&&")[-1].strip()
+    ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    assert ci_lines[-1] == test_command
+
+
+@pytest.mark.multirank
+def test_main_job_and_consolidate(tmp_path):
+    for name in ("examples", "configs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    argv = _python_part(_quickstart_commands()[0])
+    assert argv[:2] == ["python", "examples/train_gpt.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    overrides = ["--trainer.max_steps=4", "--trainer.enable_progress_bar=false", "--model.n_layers=2", "--data.n_sentences=400"]
+    run = subprocess.run(
+        [sys.executable, *argv[1:], *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    last = tmp_path / "outputs/zero3/checkpoints/last.ckpt"
+    assert (last / ".metadata").is_file()
+
+    consolidate = [line for line in README.splitlines() if line.startswith("lightning-shard consolidate")]
+    assert len(consolidate) == 1
+    args = shlex.split(consolidate[0])
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_shard.cli", *args[1:]], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    sys.path.insert(0, str(ROOT))
+    from examples.gpt import GPTModule
+
+    GPTModule(n_layers=2).load_state_dict(weights)
+
+
+def test_every_stage_config_parses():
+    from jsonargparse import ArgumentParser  # noqa: F401  (LightningCLI's parser)
+    from lightning.pytorch.cli import LightningCLI
+
+    from examples.gpt import GPTModule, TextDataModule
+    from lightning_shard import ShardStrategy
+
+    for stage in range(4):
+        cli = LightningCLI(
+            GPTModule, TextDataModule, run=False,
+            args=["--config", str(ROOT / f"configs/zero{stage}.yaml"), "--trainer.logger=false"],
+        )
+        assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.stage == stage
