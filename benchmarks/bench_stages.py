@@ -1,0 +1,111 @@
+"""Step time of ShardStrategy stages 0-3 against Lightning's ModelParallelStrategy with hand-written FSDP2.
+
+Two CPU ranks over gloo, the example GPT (6 x 256, seq 128, batch 4 per rank). Configurations are
+run interleaved, several rounds, in one pair of processes, so machine noise hits all of them alike;
+the JSON reports per-configuration median step times and the ratio of stage 3 to the hand-written path.
+
+    python benchmarks/bench_stages.py --rounds 3 --steps 12 --out benchmarks/results/stages.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from examples.gpt import GPTModule  # noqa: E402
+from lightning_shard import ShardStrategy  # noqa: E402
+
+MODEL = dict(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=4)
+
+
+class HandWrittenFSDP2(GPTModule):
+    """What a user writes for Lightning's ModelParallelStrategy: fully_shard per block, then the root."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def _data(steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (8 * steps, 129), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def _run(name: str, steps: int) -> float:
+    timer = StepTimer()
+    if name == "model_parallel_fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy, module = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), HandWrittenFSDP2(**MODEL)
+    else:
+        strategy, module = ShardStrategy(stage=int(name[-1])), GPTModule(**MODEL)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[timer], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, _data(steps))
+    return statistics.median(timer.times[2:])  # first steps warm up allocators and gloo buffers
+
+
+def _bench(rounds: int, steps: int) -> dict[str, list[float]]:
+    names = ["stage0", "stage1", "stage2", "stage3", "model_parallel_fsdp2"]
+    results: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order each round
+            results[name].append(_run(name, steps))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", default="benchmarks/results/stages.json")
+    args = parser.parse_args()
+    from _dist import run_ranks
+
+    raw = run_ranks(_bench, args.rounds, args.steps)[0]
+    medians = {name: statistics.median(times) * 1000 for name, times in raw.items()}
+    report = {
+        "benchmark": "step time, 2 CPU ranks (gloo), GPT 6x256 seq 128 batch 4/rank",
+        "torch": torch.__version__,
+        "median_step_ms": medians,
+        "per_round_step_ms": {k: [t * 1000 for t in v] for k, v in raw.items()},
+        "stage3_over_handwritten_fsdp2": medians["stage3"] / medians["model_parallel_fsdp2"],
+        "target": "stage3_over_handwritten_fsdp2 <= 1.05",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
