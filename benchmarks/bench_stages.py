@@ -63,12 +63,22 @@ def _run(name: str, steps: int) -> float:
     if name == "model_parallel_fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy, module = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), HandWrittenFSDP2(**MODEL)
+        strategy, module = (
+            ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            HandWrittenFSDP2(**MODEL),
+        )
     else:
         strategy, module = ShardStrategy(stage=int(name[-1])), GPTModule(**MODEL)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[timer], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, _data(steps))
     return statistics.median(timer.times[2:])  # first steps warm up allocators and gloo buffers

@@ -47,7 +47,9 @@ class CharDataset(Dataset):
 
 
 class TextDataModule(L.LightningDataModule):
-    def __init__(self, seq_len: int = 128, batch_size: int = 8, n_sentences: int = 4000, seed: int = 0) -> None:
+    def __init__(
+        self, seq_len: int = 128, batch_size: int = 8, n_sentences: int = 4000, seed: int = 0
+    ) -> None:
         super().__init__()
         self.seq_len, self.batch_size, self.n_sentences, self.seed = seq_len, batch_size, n_sentences, seed
 
@@ -69,7 +71,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=-1)  # 3 x (b, t, c)
-        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))  # (b, h, t, d)
+        q, k, v = (
+            z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v)
+        )  # (b, h, t, d)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (b, h, t, d)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
@@ -93,7 +97,12 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(
-        self, vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 128,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -126,8 +135,16 @@ class GPTModule(L.LightningModule):
     """Next-byte prediction with AdamW and a cosine schedule; a plain LightningModule."""
 
     def __init__(
-        self, vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
-        dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.1, max_steps: int = 1000,
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 128,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        max_steps: int = 1000,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -147,8 +164,13 @@ class GPTModule(L.LightningModule):
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
             lr=self.hparams.lr,
         )
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.hparams.max_steps))
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, T_max=max(1, self.hparams.max_steps)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

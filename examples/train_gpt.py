@@ -11,9 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
 import lightning_shard  # noqa: E402,F401  (registers strategy="zero1"/"zero2"/"zero3")
 from examples.gpt import GPTModule, TextDataModule  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 
 def main() -> None:

@@ -26,13 +26,17 @@ def import_module_class(path: str, flag: str) -> type[nn.Module]:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"{flag} entry {path!r} could not be imported ({err}). Check the dotted path.") from err
+        raise ValueError(
+            f"{flag} entry {path!r} could not be imported ({err}). Check the dotted path."
+        ) from err
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"{flag} entry {path!r} is {cls!r}, not an nn.Module subclass.")
     return cls
 
 
-def resolve_module_classes(spec: Iterable[ModuleClassSpec] | ModuleClassSpec | None, flag: str) -> tuple[type[nn.Module], ...] | None:
+def resolve_module_classes(
+    spec: Iterable[ModuleClassSpec] | ModuleClassSpec | None, flag: str
+) -> tuple[type[nn.Module], ...] | None:
     """Normalise a user's module-class flag (classes or import-path strings) to a tuple of classes."""
     if spec is None:
         return None
@@ -45,9 +49,13 @@ def resolve_module_classes(spec: Iterable[ModuleClassSpec] | ModuleClassSpec | N
         elif isinstance(entry, type) and issubclass(entry, nn.Module):
             classes.append(entry)
         else:
-            raise ValueError(f"{flag} entry {entry!r} is neither an nn.Module subclass nor an import-path string.")
+            raise ValueError(
+                f"{flag} entry {entry!r} is neither an nn.Module subclass nor an import-path string."
+            )
     if not classes:
-        raise ValueError(f"{flag} is empty. Pass None to detect the repeated block class, or name at least one class.")
+        raise ValueError(
+            f"{flag} is empty. Pass None to detect the repeated block class, or name at least one class."
+        )
     return tuple(classes)
 
 

@@ -57,7 +57,9 @@ class ShardPrecision(Precision):
 
     def __init__(self, precision: PrecisionStr = "32-true", reduce_dtype: torch.dtype | None = None) -> None:
         _check_precision(precision, "ShardPrecision")
-        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        if reduce_dtype is not None and not (
+            isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+        ):
             raise ValueError(
                 f"ShardPrecision(reduce_dtype={reduce_dtype!r}) must be a floating torch.dtype such as torch.float32."
             )
@@ -88,7 +90,9 @@ class ShardPrecision(Precision):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.is_mixed:
-            return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
+            return MixedPrecisionPolicy(
+                param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype or torch.float32
+            )
         return MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
 
     @override
@@ -139,7 +143,9 @@ class ShardPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
-            raise ValueError("precision='16-mixed' cannot drive LBFGS (it re-evaluates the loss unscaled). Use bf16-mixed.")
+            raise ValueError(
+                "precision='16-mixed' cannot drive LBFGS (it re-evaluates the loss unscaled). Use bf16-mixed."
+            )
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
         if not skip_unscaling:

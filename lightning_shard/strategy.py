@@ -7,6 +7,7 @@ starts, and delegates sharding, state dicts and gradient sync to one engine
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -91,7 +92,9 @@ class ShardStrategy(ParallelStrategy):
                 " 2 (+ gradients) or 3 (+ parameters)."
             )
         if engine not in ("auto", "fsdp", "deepspeed"):
-            raise ValueError(f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'.")
+            raise ValueError(
+                f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'."
+            )
         if engine == "deepspeed":
             raise NotImplementedError(
                 "ShardStrategy(engine='deepspeed') is not available in this version. Use engine='auto' or 'fsdp'."
@@ -147,7 +150,9 @@ class ShardStrategy(ParallelStrategy):
     @property
     def engine(self) -> FSDPEngine:
         if self._engine is None:
-            raise RuntimeError("ShardStrategy.engine is only available once the Trainer has set the model up.")
+            raise RuntimeError(
+                "ShardStrategy.engine is only available once the Trainer has set the model up."
+            )
         return self._engine
 
     @property
@@ -178,15 +183,17 @@ class ShardStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
@@ -195,7 +202,9 @@ class ShardStrategy(ParallelStrategy):
         )
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -233,7 +242,7 @@ class ShardStrategy(ParallelStrategy):
         for old, new in zip(originals, wrapped, strict=True):
             for config in self.lr_scheduler_configs:
                 if getattr(config.scheduler, "optimizer", None) is old:
-                    config.scheduler.optimizer = new  # type: ignore[union-attr]
+                    _rebind_scheduler(config.scheduler, new)
         self.optimizers = wrapped
 
     @override
@@ -339,9 +348,13 @@ class ShardStrategy(ParallelStrategy):
         pass  # loaded in load_checkpoint()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP.")
+            raise TypeError(
+                "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
+            )
         path = Path(self.broadcast(str(filepath)))
         if not self._full:
             state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
@@ -389,5 +402,27 @@ class ShardStrategy(ParallelStrategy):
         self.engine.load_model_state_dict(self.model, target[ckpt.MODEL_KEY], full=False)
         for i, optimizer in enumerate(self.optimizers):
             if ckpt.optimizer_key(i) in target:
-                self.engine.load_optimizer_state_dict(self.model, optimizer, target[ckpt.optimizer_key(i)], full=False)
+                self.engine.load_optimizer_state_dict(
+                    self.model, optimizer, target[ckpt.optimizer_key(i)], full=False
+                )
         return ckpt.read_meta(path)
+
+
+def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point an LR scheduler at a replacement optimizer, with the step tracking torch's schedulers expect.
+
+    Without the tracking, torch warns that ``optimizer.step()`` was overridden and cannot tell
+    whether the scheduler steps after the optimizer.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step  # type: ignore[method-assign]

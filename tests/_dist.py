@@ -17,7 +17,16 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")
+_ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "GROUP_RANK",
+)
 
 
 def free_port() -> int:
@@ -26,7 +35,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple, kwargs: dict) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple, kwargs: dict
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -54,7 +65,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, **kwargs:
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _entry, args=(fn, world_size, port, out_dir, args, kwargs), nprocs=world_size, start_method="spawn"
+            _entry,
+            args=(fn, world_size, port, out_dir, args, kwargs),
+            nprocs=world_size,
+            start_method="spawn",
         )
         results = []
         for rank in range(world_size):

@@ -15,7 +15,9 @@ VOCAB, SEQ = 64, 16
 
 
 def tiny_gpt(**overrides: Any) -> GPTModule:
-    kwargs: dict[str, Any] = dict(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=2, lr=1e-2, max_steps=50)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=2, lr=1e-2, max_steps=50
+    )
     kwargs.update(overrides)
     torch.manual_seed(0)
     return GPTModule(**kwargs)
@@ -57,7 +59,9 @@ class LossRecorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"].detach().float().clone()
         if dist.is_initialized():
             dist.all_reduce(loss)
@@ -71,15 +75,26 @@ def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
     model = trainer.strategy.model
     if dist.is_initialized():
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone() for k, v in sd.items()}
+        sd = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        )
+        return {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
+            for k, v in sd.items()
+        }
     return {k: v.detach().float().clone() for k, v in trainer.lightning_module.state_dict().items()}
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, max_steps=5, num_sanity_val_steps=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=5,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
     )
     kwargs.update(overrides)
     return kwargs

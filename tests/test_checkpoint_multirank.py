@@ -18,14 +18,24 @@ pytestmark = pytest.mark.multirank
 N = 40  # 5 global batches of 8: a checkpoint at step 5 sits at an epoch boundary
 
 
-def _fit(world: int, stage: int, max_steps: int, ckpt_dir: str | None = None, resume: str | None = None,
-         mode: str = "sharded") -> tuple[list[float], dict[str, torch.Tensor]]:
+def _fit(
+    world: int,
+    stage: int,
+    max_steps: int,
+    ckpt_dir: str | None = None,
+    resume: str | None = None,
+    mode: str = "sharded",
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     recorder = LossRecorder()
     callbacks: list[L.Callback] = [recorder]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1, save_last=True))
+        callbacks.append(
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1, save_last=True)
+        )
     trainer = L.Trainer(
-        devices=world, strategy=ShardStrategy(stage=stage, checkpoint=mode), callbacks=callbacks,
+        devices=world,
+        strategy=ShardStrategy(stage=stage, checkpoint=mode),
+        callbacks=callbacks,
         **trainer_kwargs(max_steps=max_steps, enable_checkpointing=ckpt_dir is not None),
     )
     trainer.fit(tiny_gpt(), loader(8 // world, n=N), ckpt_path=resume)

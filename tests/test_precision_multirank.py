@@ -41,7 +41,10 @@ def _fit_fp16(stage: int):
 
     module.training_step = training_step
     trainer = L.Trainer(
-        devices=2, strategy=ShardStrategy(stage=stage), plugins=[ShardPrecision("16-mixed")], callbacks=[callback],
+        devices=2,
+        strategy=ShardStrategy(stage=stage),
+        plugins=[ShardPrecision("16-mixed")],
+        callbacks=[callback],
         **trainer_kwargs(max_steps=4),
     )
     trainer.fit(module, loader(4))
@@ -53,7 +56,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
     results = run_ranks(_fit_fp16, stage)
     for snapshots, scales in results:
         for name, before in snapshots[1].items():
-            torch.testing.assert_close(snapshots[2][name], before, rtol=0, atol=0, msg=f"{name} changed in the skipped step")
+            torch.testing.assert_close(
+                snapshots[2][name], before, rtol=0, atol=0, msg=f"{name} changed in the skipped step"
+            )
         assert any((snapshots[3][n] != snapshots[2][n]).any() for n in snapshots[2]), "training did not go on"
         assert scales[1] == scales[0] / 2  # the scaler backed off once, on every rank
     assert results[0][1] == results[1][1]

@@ -44,9 +44,19 @@ def test_main_job_and_consolidate(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    overrides = ["--trainer.max_steps=4", "--trainer.enable_progress_bar=false", "--model.n_layers=2", "--data.n_sentences=400"]
+    overrides = [
+        "--trainer.max_steps=4",
+        "--trainer.enable_progress_bar=false",
+        "--model.n_layers=2",
+        "--data.n_sentences=400",
+    ]
     run = subprocess.run(
-        [sys.executable, *argv[1:], *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+        [sys.executable, *argv[1:], *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = tmp_path / "outputs/zero3/checkpoints/last.ckpt"
@@ -56,7 +66,11 @@ def test_main_job_and_consolidate(tmp_path):
     assert len(consolidate) == 1
     args = shlex.split(consolidate[0])
     run = subprocess.run(
-        [sys.executable, "-m", "lightning_shard.cli", *args[1:]], cwd=tmp_path, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "lightning_shard.cli", *args[1:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -75,7 +89,9 @@ def test_every_stage_config_parses():
 
     for stage in range(4):
         cli = LightningCLI(
-            GPTModule, TextDataModule, run=False,
+            GPTModule,
+            TextDataModule,
+            run=False,
             args=["--config", str(ROOT / f"configs/zero{stage}.yaml"), "--trainer.logger=false"],
         )
         assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.stage == stage

@@ -20,7 +20,9 @@ def test_stage_out_of_range(stage):
 
 
 def test_unknown_engine():
-    with pytest.raises(ValueError, match=r"engine='megatron'\) is unknown. Use 'auto', 'fsdp' or 'deepspeed'"):
+    with pytest.raises(
+        ValueError, match=r"engine='megatron'\) is unknown. Use 'auto', 'fsdp' or 'deepspeed'"
+    ):
         ShardStrategy(engine="megatron")
 
 
@@ -41,27 +43,35 @@ def test_registered_names_equal_constructor(name, stage):
     reference = ShardStrategy(stage=stage)
     assert isinstance(strategy, ShardStrategy)
     assert (strategy.stage, strategy.engine_name, strategy.checkpoint_mode) == (
-        reference.stage, reference.engine_name, reference.checkpoint_mode
+        reference.stage,
+        reference.engine_name,
+        reference.checkpoint_mode,
     )
     assert StrategyRegistry[name]["init_params"] == {"stage": stage}
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_trainer_precision_maps_to_shard_precision(precision):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), precision=precision, logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ShardStrategy(), precision=precision, logger=False
+    )
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, ShardPrecision) and plugin.precision == precision
 
 
 @pytest.mark.parametrize("precision", ["64-true", "16-true"])
 def test_unsupported_precision_fails_at_construction(precision):
-    with pytest.raises(ValueError, match=rf"precision='{precision}', which sharded training does not support"):
+    with pytest.raises(
+        ValueError, match=rf"precision='{precision}', which sharded training does not support"
+    ):
         L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), precision=precision, logger=False)
 
 
 def test_explicit_shard_precision_is_kept():
     plugin = ShardPrecision("bf16-mixed", reduce_dtype=torch.float32)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardStrategy(), plugins=[plugin], logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ShardStrategy(), plugins=[plugin], logger=False
+    )
     assert trainer.strategy.precision_plugin is plugin
     policy = plugin.fsdp_mp_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
@@ -83,7 +93,10 @@ def test_shard_modules_accepts_import_paths_and_classes():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        (["examples.gpt.NoSuchBlock"], r"shard_modules=...\) entry 'examples.gpt.NoSuchBlock' could not be imported"),
+        (
+            ["examples.gpt.NoSuchBlock"],
+            r"shard_modules=...\) entry 'examples.gpt.NoSuchBlock' could not be imported",
+        ),
         (["Block"], r"entry 'Block' is not an import path"),
         (["examples.gpt.generate_text"], r"is .* not an nn.Module subclass"),
         ([3], r"entry 3 is neither an nn.Module subclass nor an import-path string"),

@@ -29,7 +29,10 @@ def _fit_stages(precision: str, **kwargs) -> dict[int, list[float]]:
     for stage in STAGES:
         recorder = LossRecorder()
         trainer = L.Trainer(
-            devices=2, strategy=ShardStrategy(stage=stage), precision=precision, callbacks=[recorder],
+            devices=2,
+            strategy=ShardStrategy(stage=stage),
+            precision=precision,
+            callbacks=[recorder],
             **trainer_kwargs(**kwargs),
         )
         trainer.fit(tiny_gpt(), loader(4))
@@ -82,8 +85,12 @@ def _fit_clip_accumulate() -> dict[int, tuple[list[float], list[bool]]]:
     for stage in STAGES:
         recorder, counter = LossRecorder(), _SyncCounter()
         trainer = L.Trainer(
-            devices=2, strategy=ShardStrategy(stage=stage), callbacks=[recorder, counter],
-            **trainer_kwargs(gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4),
+            devices=2,
+            strategy=ShardStrategy(stage=stage),
+            callbacks=[recorder, counter],
+            **trainer_kwargs(
+                gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4
+            ),
         )
         trainer.fit(tiny_gpt(), loader(4))
         out[stage] = (recorder.losses, counter.synced)
@@ -91,7 +98,9 @@ def _fit_clip_accumulate() -> dict[int, tuple[list[float], list[bool]]]:
 
 
 def test_clipping_and_accumulation_parity():
-    reference = _reference(gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4)
+    reference = _reference(
+        gradient_clip_val=0.05, gradient_clip_algorithm="norm", accumulate_grad_batches=2, max_steps=4
+    )
     results = run_ranks(_fit_clip_accumulate)[0]
     assert len(reference) == 8
     for stage in STAGES:
@@ -131,7 +140,9 @@ def _measure_bytes() -> dict[int, tuple[int, int, int]]:
     out = {}
     for stage in STAGES:
         probe = _Bytes()
-        trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=stage), callbacks=[probe], **trainer_kwargs(max_steps=1))
+        trainer = L.Trainer(
+            devices=2, strategy=ShardStrategy(stage=stage), callbacks=[probe], **trainer_kwargs(max_steps=1)
+        )
         trainer.fit(_Stack(), DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4))
         out[stage] = (probe.bytes.parameters, probe.bytes.gradients, probe.bytes.optimizer)
     return out

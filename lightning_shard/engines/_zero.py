@@ -25,7 +25,10 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
         return optimizer
     groups = [dict(group) for group in optimizer.param_groups]
     return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=process_group, **_constructor_defaults(optimizer)
+        groups,
+        optimizer_class=type(optimizer),
+        process_group=process_group,
+        **_constructor_defaults(optimizer),
     )
 
 
@@ -59,7 +62,10 @@ def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[
     assert isinstance(zero, ZeroRedundancyOptimizer)
     names = _param_names(model)
     state = {
-        names[p]: {k: (v.detach().cpu() if full and torch.is_tensor(v) else v) for k, v in zero.optim.state[p].items()}
+        names[p]: {
+            k: (v.detach().cpu() if full and torch.is_tensor(v) else v)
+            for k, v in zero.optim.state[p].items()
+        }
         for p in _local_params(zero)
         if p in zero.optim.state
     }
@@ -80,9 +86,15 @@ def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[
     state: dict[str, dict[str, Any]] = {}
     for p in _local_params(zero):
         prefix = f"{key}.state.{names[p]}."
-        fields = {k[len(prefix) :]: md for k, md in entries.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+        fields = {
+            k[len(prefix) :]: md
+            for k, md in entries.items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
         state[names[p]] = {
-            name: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            name: torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
             for name, md in fields.items()
         }
     return {"state": state, "param_groups": _global_groups(zero, names)}
@@ -98,7 +110,13 @@ def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dic
         if entry is None:
             continue
         zero.optim.state[p] = {
-            k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v)
+            k: (
+                v.to(p.device)
+                if torch.is_tensor(v) and v.dim() > 0
+                else v.clone()
+                if torch.is_tensor(v)
+                else v
+            )
             for k, v in entry.items()
         }
     groups = state_dict["param_groups"]

@@ -31,7 +31,11 @@ class Engine(Protocol):
     def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         """Optimizer state keyed by parameter name: ``{"state": {fqn: {...}}, "param_groups": [...]}``."""
 
-    def optimizer_load_target(self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str) -> dict[str, Any]:
+    def optimizer_load_target(
+        self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str
+    ) -> dict[str, Any]:
         """Allocated tensors shaped like this rank's part of a saved optimizer state (for DCP to load into)."""
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool) -> None: ...
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool
+    ) -> None: ...

@@ -80,7 +80,10 @@ class FSDPEngine:
                 " Name the class of the model's repeated blocks, or pass shard_modules=None to detect it."
             )
         if not blocks:
-            log.info("ShardStrategy: no repeated block class found; %s is one sharding unit.", type(module).__name__)
+            log.info(
+                "ShardStrategy: no repeated block class found; %s is one sharding unit.",
+                type(module).__name__,
+            )
         kwargs: dict[str, Any] = {
             "mesh": self.mesh,
             "reshard_after_forward": self.stage == 3,
@@ -97,13 +100,19 @@ class FSDPEngine:
         from torch.nn.parallel import DistributedDataParallel
 
         device = self.mesh.device_type
-        device_ids = None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
+        device_ids = (
+            None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
+        )
         ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.mesh.get_group())
         reduce_dtype = self.precision.reduce_dtype
         if reduce_dtype in (torch.bfloat16, torch.float16):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            hook = default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+            hook = (
+                default_hooks.bf16_compress_hook
+                if reduce_dtype == torch.bfloat16
+                else default_hooks.fp16_compress_hook
+            )
             ddp.register_comm_hook(self.mesh.get_group(), hook)
         return ddp
 
@@ -137,12 +146,16 @@ class FSDPEngine:
             model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
         )
 
-    def optimizer_load_target(self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str) -> dict[str, Any]:
+    def optimizer_load_target(
+        self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str
+    ) -> dict[str, Any]:
         if self.stage == 1:
             return _zero.load_target(model, optimizer, meta, key)
         return get_optimizer_state_dict(model, optimizer)
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool
+    ) -> None:
         if self.stage == 1:
             _zero.load_optimizer_state_dict(model, optimizer, state)
             return
