@@ -39,7 +39,9 @@ from typing_extensions import override
 
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard.async_checkpoint import AsyncCheckpointer, new_checkpoint_group
 from lightning_shard.engines.fsdp import FSDPEngine
+from lightning_shard.nonfinite import NonFiniteGuard
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default gloo on CPU and nccl on CUDA.
         timeout: process-group timeout.
+        async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.async_checkpoint`).
+        skip_nonfinite: skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf
+            on any rank.
+        max_skipped: with ``skip_nonfinite``, consecutive skipped steps allowed before training stops.
     """
 
     strategy_name = "shard"
@@ -83,6 +89,9 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: CheckpointMode = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        async_checkpoint: bool = False,
+        skip_nonfinite: bool = False,
+        max_skipped: int = 10,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -104,8 +113,23 @@ class ShardStrategy(ParallelStrategy):
                 f"ShardStrategy(checkpoint={checkpoint!r}) is unknown. Use 'sharded' (one shard per rank, a directory)"
                 " or 'full' (one file readable with torch.load)."
             )
+        if async_checkpoint and checkpoint != "sharded":
+            raise ValueError(
+                f"ShardStrategy(async_checkpoint=True) needs checkpoint='sharded' (got checkpoint={checkpoint!r}):"
+                " a single full file is gathered on one rank and cannot be written in the background per shard."
+                " Use checkpoint='sharded' or async_checkpoint=False."
+            )
+        if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 1:
+            raise ValueError(
+                f"ShardStrategy(max_skipped={max_skipped!r}) must be an integer >= 1: the number of consecutive"
+                " non-finite steps to skip before stopping."
+            )
         self.stage = stage
         self.engine_name = "fsdp"
+        self.async_checkpoint = async_checkpoint
+        self._async: AsyncCheckpointer | None = None
+        self.skip_nonfinite = skip_nonfinite
+        self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
         self._shard_modules = resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)")
         self.checkpoint_mode: CheckpointMode = checkpoint
         self._process_group_backend = process_group_backend
@@ -205,6 +229,8 @@ class ShardStrategy(ParallelStrategy):
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
         )
+        if self.async_checkpoint and self._async is None:
+            self._async = AsyncCheckpointer(self.is_global_zero, new_checkpoint_group())
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -280,6 +306,40 @@ class ShardStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._guard is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # With a loss scaler, inf gradients are the scaler's business (it backs off and skips).
+        check_grads = self.precision_plugin.scaler is None
+        if self._guard.should_skip(result, params, self.root_device, check_grads):
+            optimizer.zero_grad(set_to_none=True)
+            self._report_skip()
+            return None
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _report_skip(self) -> None:
+        assert self._guard is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        log.warning(
+            "ShardStrategy: non-finite loss or gradient at step %d; skipped the optimizer step on all ranks"
+            " (%d skipped so far).",
+            trainer.global_step,
+            self._guard.total,
+        )
+        if self.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {"shard/skipped_steps": float(self._guard.total)}, step=trainer.global_step
+                )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because of non-finite values (``skip_nonfinite=True``)."""
+        return self._guard.total if self._guard is not None else 0
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -316,6 +376,8 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._async is not None:
+            self._async.wait()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -360,7 +422,10 @@ class ShardStrategy(ParallelStrategy):
             state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
             for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[ckpt.optimizer_key(i)] = opt_state
-            ckpt.save_sharded(path, state, checkpoint, self.is_global_zero, self.barrier)
+            if self._async is not None:
+                self._async.save(state, checkpoint, path, self.barrier)
+            else:
+                ckpt.save_sharded(path, state, checkpoint, self.is_global_zero, self.barrier)
             return
         if self.is_global_zero:
             ckpt.save_file(checkpoint, path)
@@ -368,11 +433,15 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+        if self._async is not None:
+            self._async.remove(Path(filepath))
+        elif self.is_global_zero:
             ckpt._remove(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._async is not None:
+            self._async.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
         if path.is_dir():

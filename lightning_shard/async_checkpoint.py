@@ -1,0 +1,152 @@
+"""Asynchronous sharded checkpoints: stage to host memory, write in the background, commit atomically.
+
+A save blocks the training loop only while ``torch.distributed.checkpoint.async_save`` copies the
+state off the accelerator (a CPU copy; pinned memory on CUDA); the write runs in a background
+thread on a process group of its own, so its collectives never interleave with training's.
+
+Commit protocol, per checkpoint ``NAME``:
+
+1. every rank writes its shards into ``NAME.tmp``; DCP's coordinator writes ``.metadata`` only
+   after gathering every rank's write results, so rank 0's write finishing means all ranks' did;
+2. rank 0 then writes ``meta.pt`` and renames ``NAME.tmp`` to ``NAME`` (one ``rename``);
+3. only then are removals requested meanwhile (top-k pruning of older checkpoints) carried out,
+   and aliases of the same step (``last.ckpt``) pointed at ``NAME``.
+
+So a crash at any point leaves the previous checkpoint intact and never exposes a partial one
+under a final name. The next save and teardown wait for the pending one; an error in the
+background write is raised there, with the checkpoint path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lightning_shard import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+
+class AsyncCheckpointError(RuntimeError):
+    """A background checkpoint write failed."""
+
+
+class AsyncCheckpointer:
+    """At most one background save in flight; commits, aliases and deferred removals after it."""
+
+    def __init__(self, is_rank0: bool, process_group: Any = None) -> None:
+        self.is_rank0 = is_rank0
+        self.process_group = process_group
+        self._future: Future | None = None
+        self._path: Path | None = None
+        self._step: int | None = None
+        self._committed = threading.Event()
+        self._committed.set()
+        self._lock = threading.Lock()
+        self._aliases: list[Path] = []
+        self._removals: list[Path] = []
+        self._error: BaseException | None = None
+        self.last_committed: Path | None = None
+
+    @property
+    def pending(self) -> Path | None:
+        return self._path if not self._committed.is_set() else None
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: Path, barrier: Any) -> None:
+        """Start writing ``state`` to ``path``; returns once the state is staged in host memory."""
+        step = meta.get("global_step")
+        if self._path is not None and step is not None and step == self._step and path != self._path:
+            # Same training step saved under a second name (ModelCheckpoint's last.ckpt): alias the
+            # checkpoint being written instead of writing the same bytes twice.
+            with self._lock:
+                if self._committed.is_set():
+                    self._make_alias(path)
+                else:
+                    self._aliases.append(path)
+            return
+        self.wait()
+        tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
+        if self.is_rank0:
+            ckpt._remove(tmp)
+            tmp.mkdir(parents=True)
+        barrier()
+        self._committed.clear()
+        self._path, self._step, self._aliases = path, step, []
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.process_group)
+        self._future = future
+        future.add_done_callback(lambda f: self._finish(f, tmp, path, meta))
+
+    def _finish(self, future: Future, tmp: Path, path: Path, meta: dict[str, Any]) -> None:
+        try:
+            future.result()
+            if self.is_rank0:
+                torch.save(meta, tmp / ckpt.META_FILENAME)
+                ckpt.commit(tmp, path)
+                with self._lock:
+                    self.last_committed = path
+                    for alias in self._aliases:
+                        self._make_alias(alias)
+                    for removal in self._removals:
+                        self._remove_now(removal)
+                    self._removals = []
+        except BaseException as err:  # surfaced at the next save or teardown, never swallowed
+            self._error = err
+        finally:
+            self._committed.set()
+
+    def wait(self) -> None:
+        """Block until the pending save is committed; raise its error, if any."""
+        self._committed.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            path, self._path = self._path, None
+            raise AsyncCheckpointError(
+                f"Writing checkpoint {str(path)!r} in the background failed: {error!r}. The previous checkpoint"
+                f" ({str(self.last_committed) if self.last_committed else 'none'}) is intact; check free space and"
+                " permissions of the checkpoint directory."
+            ) from error
+
+    def remove(self, path: Path) -> None:
+        """Remove a checkpoint, or defer that until the pending save has committed."""
+        if not self.is_rank0:
+            return
+        with self._lock:
+            if not self._committed.is_set():
+                self._removals.append(path)
+                return
+            self._remove_now(path)
+
+    def _remove_now(self, path: Path) -> None:
+        if path == self.last_committed or path == self._path:
+            return
+        try:
+            ckpt._remove(path)
+        except OSError as err:
+            # A failed delete must not kill the commit thread, or later commits would never happen.
+            log.warning("Could not remove old checkpoint %s: %s", path, err)
+
+    def _make_alias(self, alias: Path) -> None:
+        if not self.is_rank0 or self._path is None:
+            return
+        target = self._path
+        tmp_link = alias.with_name(alias.name + ".link" + ckpt.TMP_SUFFIX)
+        ckpt._remove(tmp_link)
+        os.symlink(os.path.relpath(target, alias.parent), tmp_link)
+        if alias.is_dir() and not alias.is_symlink():
+            ckpt._remove(alias)
+        os.replace(tmp_link, alias)
+
+
+def new_checkpoint_group() -> Any:
+    """A gloo group for background checkpoint collectives (gloo: they run on host memory)."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")

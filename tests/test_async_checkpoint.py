@@ -1,0 +1,177 @@
+"""Async sharded checkpoints and non-finite step skipping: validation in one process, behaviour on 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_shard import ShardStrategy
+from lightning_shard.nonfinite import NonFiniteGuard
+from tests._dist import run_ranks
+from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
+
+N = 40  # 5 global batches of 8 per epoch
+
+
+def test_async_needs_sharded_checkpoints():
+    with pytest.raises(
+        ValueError, match=r"async_checkpoint=True\) needs checkpoint='sharded' \(got checkpoint='full'\)"
+    ):
+        ShardStrategy(async_checkpoint=True, checkpoint="full")
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 1.5])
+def test_max_skipped_must_be_positive(value):
+    with pytest.raises(ValueError, match=r"max_skipped=.*\) must be an integer >= 1"):
+        ShardStrategy(skip_nonfinite=True, max_skipped=value)
+
+
+def test_guard_stops_after_max_consecutive_skips():
+    guard = NonFiniteGuard(max_skipped=2)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    assert not guard.should_skip(torch.tensor(1.0), [p], torch.device("cpu"))
+    assert guard.should_skip(torch.tensor(float("nan")), [p], torch.device("cpu"))
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert guard.should_skip(torch.tensor(1.0), [p], torch.device("cpu"))
+    with pytest.raises(
+        RuntimeError, match=r"max_skipped=2\): 3 consecutive steps had a non-finite loss or gradient"
+    ):
+        guard.should_skip(torch.tensor(float("inf")), [p], torch.device("cpu"))
+    assert guard.total == 3
+
+
+def _fit(world, ckpt_dir, max_steps=10, resume=None, every=5, top_k=-1, fail_on=None):
+    recorder = LossRecorder()
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=top_k, save_last=True
+    )
+    trainer = L.Trainer(
+        devices=world,
+        strategy=ShardStrategy(stage=3, async_checkpoint=True),
+        callbacks=[recorder, checkpoint],
+        **trainer_kwargs(max_steps=max_steps, enable_checkpointing=True),
+    )
+    if fail_on is not None:
+        _break_writes(*fail_on)
+    trainer.fit(tiny_gpt(), loader(8 // world, n=N), ckpt_path=resume)
+    return recorder.losses, full_weights(trainer), trainer.strategy._async.last_committed
+
+
+def _break_writes(save_number: int, how: str) -> None:
+    """From the ``save_number``-th save on, make this rank's shard write fail (``raise``) or die (``kill``)."""
+    original = FileSystemWriter.write_data
+    calls = {"n": 0}
+
+    def write_data(self, plan, planner):
+        calls["n"] += 1
+        if calls["n"] >= save_number:
+            if how == "kill" and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "raise":
+                raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+
+
+@pytest.mark.multirank
+def test_async_save_resume_parity_across_world_sizes(tmp_path):
+    reference, _, committed = run_ranks(_fit, 2, str(tmp_path))[0]
+    assert committed == tmp_path / "epoch=1-step=10.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=0-step=5.ckpt",
+        "epoch=1-step=10.ckpt",
+        "last.ckpt",
+    ]
+    assert (tmp_path / "last.ckpt").resolve() == committed.resolve()
+    resumed, _, _ = run_ranks(
+        _fit, 1, str(tmp_path / "resumed"), 10, str(tmp_path / "epoch=0-step=5.ckpt"), world_size=1
+    )[0]
+    torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.multirank
+def test_top_k_pruning_keeps_only_committed_checkpoints(tmp_path):
+    run_ranks(_fit, 2, str(tmp_path), 10, None, 2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=10.ckpt", "last.ckpt"]
+
+
+@pytest.mark.multirank
+def test_writer_error_surfaces_and_previous_checkpoint_resumes(tmp_path):
+    with pytest.raises(Exception, match=r"AsyncCheckpointError|No space left on device"):
+        run_ranks(_fit, 2, str(tmp_path), 10, None, 5, -1, (2, "raise"))
+    _assert_only_first_checkpoint_visible(tmp_path)
+
+
+@pytest.mark.multirank
+def test_rank_killed_during_background_write_leaves_previous_checkpoint(tmp_path):
+    with pytest.raises(Exception):  # noqa: B017  (the harness reports the killed rank)
+        run_ranks(_fit, 2, str(tmp_path), 10, None, 5, -1, (2, "kill"))
+    _assert_only_first_checkpoint_visible(tmp_path)
+    reference, _, _ = run_ranks(_fit, 2, str(tmp_path / "clean"))[0]
+    resumed, _, _ = run_ranks(_fit, 2, str(tmp_path / "resumed"), 10, str(tmp_path / "last.ckpt"))[0]
+    torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
+
+
+def _assert_only_first_checkpoint_visible(tmp_path: Path) -> None:
+    finals = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp"))
+    assert finals == ["epoch=0-step=5.ckpt", "last.ckpt"], finals
+    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=0-step=5.ckpt").resolve()
+    assert (tmp_path / "epoch=0-step=5.ckpt" / ".metadata").is_file()
+
+
+class _Snapshots(L.Callback):
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.optim: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.weights[batch_idx] = full_weights(trainer)
+        state = trainer.optimizers[0].state
+        self.optim[batch_idx] = [
+            (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for s in state.values()
+            for v in s.values()
+            if torch.is_tensor(v)
+        ]
+
+
+def _fit_nan(stage: int):
+    snapshots = _Snapshots()
+    module = tiny_gpt()
+    original = module.training_step
+
+    def training_step(batch, batch_idx):
+        loss = original(batch, batch_idx)
+        return loss * float("nan") if (batch_idx == 2 and dist.get_rank() == 1) else loss
+
+    module.training_step = training_step
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(stage=stage, skip_nonfinite=True, max_skipped=3),
+        callbacks=[snapshots],
+        **trainer_kwargs(max_steps=5),
+    )
+    trainer.fit(module, loader(4))
+    return snapshots.weights, snapshots.optim, trainer.strategy.skipped_steps, trainer.global_step
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nan_on_one_rank_skips_the_step_on_both(stage):
+    for weights, optim, skipped, steps in run_ranks(_fit_nan, stage):
+        assert skipped == 1
+        for name, before in weights[2].items():
+            torch.testing.assert_close(weights[3][name], before, rtol=0, atol=0)
+        for after, before in zip(optim[3], optim[2], strict=True):
+            torch.testing.assert_close(after, before, rtol=0, atol=0)
+        assert any((weights[4][n] != weights[3][n]).any() for n in weights[3]), "training did not go on"
