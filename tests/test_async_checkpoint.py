@@ -168,7 +168,7 @@ def _fit_nan(stage: int):
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 3])
 def test_nan_on_one_rank_skips_the_step_on_both(stage):
-    for weights, optim, skipped, steps in run_ranks(_fit_nan, stage):
+    for weights, optim, skipped, _steps in run_ranks(_fit_nan, stage):
         assert skipped == 1
         for name, before in weights[2].items():
             torch.testing.assert_close(weights[3][name], before, rtol=0, atol=0)
