@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.async_checkpoint import AsyncCheckpointer, new_checkpoint_group
 from lightning_shard.engines.fsdp import FSDPEngine
 from lightning_shard.nonfinite import NonFiniteGuard
@@ -73,6 +74,8 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default gloo on CPU and nccl on CUDA.
         timeout: process-group timeout.
+        activation_checkpointing: ``"full"``, ``"selective"`` or an :class:`ActivationCheckpointing` config;
+            the repeated blocks are checkpointed before they are sharded (same implementation as the callback).
         async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.async_checkpoint`).
         skip_nonfinite: skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf
             on any rank.
@@ -89,6 +92,7 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: CheckpointMode = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointing | None = None,
         async_checkpoint: bool = False,
         skip_nonfinite: bool = False,
         max_skipped: int = 10,
@@ -124,6 +128,9 @@ class ShardStrategy(ParallelStrategy):
                 f"ShardStrategy(max_skipped={max_skipped!r}) must be an integer >= 1: the number of consecutive"
                 " non-finite steps to skip before stopping."
             )
+        self.activation_checkpointing = ActivationCheckpointing.from_flag(
+            activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
+        )
         self.stage = stage
         self.engine_name = "fsdp"
         self.async_checkpoint = async_checkpoint
@@ -246,6 +253,8 @@ class ShardStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
         self._engine = FSDPEngine(self.stage, self.device_mesh, self.precision_plugin, self._shard_modules)
+        if self.activation_checkpointing is not None:
+            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
         module = self.precision_plugin.convert_module(self.model)
         if self.stage < 2:
             module.to(self.root_device)

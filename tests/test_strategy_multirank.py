@@ -162,3 +162,42 @@ def test_bytes_per_rank_follow_the_zero_table():
             for got, want in zip(measured, expected[stage], strict=True):
                 if want is not None:
                     assert abs(got - want) <= 0.05 * want, f"stage {stage}: {measured} vs {expected[stage]}"
+
+
+def _fit_activation_checkpointing() -> dict[str | None, tuple[list[float], dict[str, torch.Tensor]]]:
+    from tests.helpers import full_weights
+
+    out = {}
+    for policy in (None, "full", "selective"):
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=2,
+            strategy=ShardStrategy(stage=3, activation_checkpointing=policy),
+            callbacks=[recorder],
+            **trainer_kwargs(max_steps=3),
+        )
+        trainer.fit(tiny_gpt(dropout=0.1), loader(4))
+        out[policy] = (recorder.losses, full_weights(trainer))
+    from lightning_shard import ActivationCheckpointing
+
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(stage=3, activation_checkpointing="full"),
+        callbacks=[ActivationCheckpointing("selective")],
+        **trainer_kwargs(max_steps=1),
+    )
+    try:
+        trainer.fit(tiny_gpt(), loader(4))
+    except ValueError as err:
+        out["both"] = str(err)
+    return out
+
+
+def test_activation_checkpointing_flag_at_stage_3_matches_no_checkpointing():
+    results = run_ranks(_fit_activation_checkpointing)[0]
+    losses, weights = results[None]
+    assert "not both" in results["both"], results["both"]
+    for policy in ("full", "selective"):
+        torch.testing.assert_close(results[policy][0], losses, rtol=1e-6, atol=0, msg=policy)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(results[policy][1][name], tensor, rtol=1e-6, atol=1e-6, msg=f"{policy} {name}")
