@@ -2,14 +2,100 @@
 
 ``lightning-shard consolidate CKPT OUT.pt`` writes one plain state-dict file (``torch.load`` +
 ``module.load_state_dict``) from a sharded checkpoint directory or a full checkpoint file.
+
+``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
+stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
+from typing import Any
 
 from lightning_shard import checkpoint
+
+_PLAN_EPILOG = """examples:
+  lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB
+  lightning-shard plan --model examples.gpt.GPT --model.n_layers 12 --model.d_model 768 --devices 2 --gpu-mem 16GB
+  lightning-shard plan --params 70e9 --gpus 256 --gpu-mem 80GB --seq-len 4096 --json
+Model constructor arguments are given jsonargparse-style, --model.NAME VALUE."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})")
+    return value
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="per-device memory of ZeRO stages 0-3 and the cheapest ShardStrategy that fits",
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = plan.add_argument_group("model (give --params or --model)")
+    model.add_argument("--params", help="parameter count, e.g. 7e9, 7B, 125M")
+    model.add_argument(
+        "--model", help="class path of an nn.Module, built on the meta device, e.g. examples.gpt.GPT"
+    )
+    for name in ("layers", "hidden", "heads", "vocab", "ffn"):
+        model.add_argument(f"--{name}", type=_positive_int, help=f"override the model's {name}")
+    run = plan.add_argument_group("devices")
+    run.add_argument("--devices", type=_positive_int, help="devices per node (default 1)")
+    run.add_argument("--nodes", type=_positive_int, help="nodes (default 1)")
+    run.add_argument("--gpus", type=_positive_int, help="total devices (instead of --devices x --nodes)")
+    run.add_argument(
+        "--gpus-per-node", type=_positive_int, help="node size for the TP limit (default: --devices, else 8)"
+    )
+    run.add_argument(
+        "--gpu-mem",
+        "--device-memory",
+        dest="gpu_mem",
+        help="memory per device, e.g. 80GB or 80GiB (default: this machine's)",
+    )
+    run.add_argument(
+        "--bandwidth", default="25GB/s", help="data-parallel bus bandwidth per device (default 25GB/s)"
+    )
+    flags = plan.add_argument_group("training")
+    flags.add_argument(
+        "--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+    )
+    flags.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "momentum"])
+    flags.add_argument("--stage", default="auto", choices=["0", "1", "2", "3", "auto"])
+    flags.add_argument("--offload-optimizer", default="auto", choices=["none", "cpu", "nvme", "auto"])
+    flags.add_argument("--offload-params", default="auto", choices=["none", "cpu", "nvme", "auto"])
+    flags.add_argument(
+        "--activation-checkpointing", default="auto", choices=["none", "selective", "full", "auto"]
+    )
+    flags.add_argument(
+        "--micro-batch", type=_positive_int, default=1, help="sequences per device per step (default 1)"
+    )
+    flags.add_argument(
+        "--seq-len", type=_positive_int, help="tokens per sequence (default: the model's, else 2048)"
+    )
+    flags.add_argument(
+        "--micro-batches", type=_positive_int, help="pipeline micro-batches per step (default 4 x PP)"
+    )
+    flags.add_argument(
+        "--margin", type=float, default=0.1, help="headroom kept free, a fraction (default 0.1)"
+    )
+    out = plan.add_argument_group("output")
+    out.add_argument(
+        "--layout", action="store_true", help="add the TP x PP x DP layout (on by default beyond one node)"
+    )
+    out.add_argument("--json", action="store_true", help="print the plan as JSON (keys in docs/planner.md)")
+    out.add_argument(
+        "--plot", metavar="FILE.png", help="draw the stacked bars to FILE.png (needs matplotlib)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,18 +104,128 @@ def _parser() -> argparse.ArgumentParser:
     consolidate = sub.add_parser("consolidate", help="write a sharded checkpoint's model weights as one file")
     consolidate.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
     consolidate.add_argument("out", help="output file, e.g. model.pt")
+    _add_plan(sub)
     return parser
 
 
+def _world(args: argparse.Namespace) -> tuple[int, int]:
+    """(world size, devices per node) from --gpus or --devices x --nodes."""
+    from lightning_shard._plan_units import PlanInputError
+
+    devices, nodes = args.devices or 1, args.nodes or 1
+    if args.gpus is not None and (args.devices or args.nodes) and args.gpus != devices * nodes:
+        raise PlanInputError(
+            f"--gpus {args.gpus} disagrees with --devices {devices} x --nodes {nodes} = {devices * nodes}."
+            " Give --gpus alone, or --devices and --nodes."
+        )
+    world = args.gpus or devices * nodes
+    return world, args.gpus_per_node or args.devices or 8
+
+
+def _device_memory(args: argparse.Namespace, per_node: int) -> tuple[int, str | None]:
+    from lightning_shard._plan_units import parse_size
+
+    if args.gpu_mem is not None:
+        return parse_size(args.gpu_mem, "--gpu-mem"), None
+    import torch
+
+    from lightning_shard.planner import available_device_memory
+
+    if torch.cuda.is_available():
+        return available_device_memory(
+            "cuda:0"
+        ), "--gpu-mem not given: planned with this machine's free CUDA memory."
+    ranks = args.devices or 1  # ranks of one host share its RAM
+    memory = available_device_memory("cpu", local_world_size=ranks)
+    return memory, f"--gpu-mem not given: planned with this machine's available RAM / {ranks} rank(s)."
+
+
+def _model_argv(parser: argparse.ArgumentParser, extras: list[str], model: str | None) -> list[str]:
+    bad = [e for e in extras if e.startswith("-") and not e.startswith("--model.")]
+    if bad or (extras and not extras[0].startswith("--model.")):
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if extras and model is None:
+        parser.error(f"{extras[0]} sets a constructor argument, but no --model CLASS_PATH was given.")
+    return extras
+
+
+def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
+    from lightning_shard._plan_model import build_on_meta
+    from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count
+    from lightning_shard.planner import plan
+
+    world, per_node = _world(args)
+    memory, memory_note = _device_memory(args, per_node)
+    if args.params is not None:
+        parse_count(args.params, "--params")
+    parse_bandwidth(args.bandwidth, "--bandwidth")
+    module = None
+    if args.model is not None:
+        # Like `python -m`, resolve model classes from the working directory too.
+        sys.path.insert(0, os.getcwd())
+        module = build_on_meta(args.model, argv=model_argv)
+    if not 0 <= args.margin < 1:
+        raise PlanInputError(
+            f"--margin {args.margin} must be a fraction in [0, 1), e.g. 0.1 for 10% headroom."
+        )
+    result = plan(
+        args.params,
+        module=module,
+        model=args.model,
+        world_size=world,
+        device_memory=memory,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        stage="auto" if args.stage == "auto" else int(args.stage),
+        offload_optimizer=args.offload_optimizer,
+        offload_params=args.offload_params,
+        activation_checkpointing=args.activation_checkpointing,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        margin=args.margin,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        ffn=args.ffn,
+        layout=args.layout or world > per_node,
+        gpus_per_node=per_node,
+        bandwidth=args.bandwidth,
+        micro_batches=args.micro_batches,
+    )
+    if memory_note:
+        result = dataclasses.replace(result, notes=(*result.notes, memory_note))
+    if args.plot:
+        result.plot(args.plot)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
     if args.command == "consolidate":
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
         try:
             out = checkpoint.consolidate(args.checkpoint, args.out)
         except (FileNotFoundError, ValueError) as err:
             print(f"lightning-shard consolidate: {err}", file=sys.stderr)
             return 2
         print(f"wrote {out}")
+    elif args.command == "plan":
+        from lightning_shard._plan_units import PlanInputError
+
+        model_argv = _model_argv(parser, extras, args.model)
+        if args.params is None and args.model is None and not (args.layers and args.hidden):
+            parser.error("plan needs a model: give --params (e.g. 7e9) or --model CLASS_PATH.")
+        try:
+            return _run_plan(args, model_argv)
+        except PlanInputError as err:
+            print(f"lightning-shard plan: error: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

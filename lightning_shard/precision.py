@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -67,6 +68,8 @@ class ShardPrecision(Precision):
         self.reduce_dtype = reduce_dtype
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
+        # Set when an engine (DeepSpeed) casts weights, scales losses and clips gradients itself.
+        self.engine_managed = False
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -113,6 +116,13 @@ class ShardPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
+        if self.engine_managed and self.param_dtype is not None:
+            from lightning_utilities.core.apply_func import apply_to_collection
+
+            dtype = self.param_dtype
+            return apply_to_collection(
+                data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t
+            )
         if self.precision == "bf16-true":
             return HalfPrecision("bf16-true").convert_input(data)
         return data
@@ -120,7 +130,9 @@ class ShardPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.is_mixed:
+        if self.engine_managed:
+            yield
+        elif self.is_mixed:
             dtype = _LOW_DTYPE[self.precision]
             with torch.autocast(self.device_type, dtype=dtype, cache_enabled=False):
                 yield
@@ -157,6 +169,17 @@ class ShardPrecision(Precision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if self.engine_managed:
+            return  # the engine clips from its own config (set from the Trainer's flags)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -38,11 +38,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import checkpoint as ckpt
+from lightning_shard import offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.async_checkpoint import AsyncCheckpointer, new_checkpoint_group
+from lightning_shard.engines.deepspeed import DeepSpeedEngine
 from lightning_shard.engines.fsdp import FSDPEngine
+from lightning_shard.memory import model_state_bytes
 from lightning_shard.nonfinite import NonFiniteGuard
+from lightning_shard.offload import OffloadDevice
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,11 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default gloo on CPU and nccl on CUDA.
         timeout: process-group timeout.
+        offload_optimizer: ``"cpu"`` or ``"nvme"``: keep optimizer state (and its step) off the accelerator.
+        offload_params: ``"cpu"`` or ``"nvme"`` (stage 3): keep parameter shards off the accelerator.
+        nvme_path: directory on an NVMe drive for ``"nvme"`` offload; swap files live in a subdirectory
+            of it and are removed at teardown.
+        pin_memory: pin host buffers for offload (default: on CUDA).
         activation_checkpointing: ``"full"``, ``"selective"`` or an :class:`ActivationCheckpointing` config;
             the repeated blocks are checkpointed before they are sharded (same implementation as the callback).
         async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.async_checkpoint`).
@@ -92,6 +101,10 @@ class ShardStrategy(ParallelStrategy):
         checkpoint: CheckpointMode = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        offload_optimizer: OffloadDevice | None = None,
+        offload_params: OffloadDevice | None = None,
+        nvme_path: str | None = None,
+        pin_memory: bool | None = None,
         activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointing | None = None,
         async_checkpoint: bool = False,
         skip_nonfinite: bool = False,
@@ -107,10 +120,6 @@ class ShardStrategy(ParallelStrategy):
         if engine not in ("auto", "fsdp", "deepspeed"):
             raise ValueError(
                 f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'."
-            )
-        if engine == "deepspeed":
-            raise NotImplementedError(
-                "ShardStrategy(engine='deepspeed') is not available in this version. Use engine='auto' or 'fsdp'."
             )
         if checkpoint not in ("sharded", "full"):
             raise ValueError(
@@ -132,7 +141,18 @@ class ShardStrategy(ParallelStrategy):
             activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
         self.stage = stage
-        self.engine_name = "fsdp"
+        self.engine_name = offload.validate(stage, offload_optimizer, offload_params, nvme_path, engine)
+        self.offload_optimizer, self.offload_params = offload_optimizer, offload_params
+        self.nvme_path, self.pin_memory = nvme_path, pin_memory
+        if self.engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
+            flag = "async_checkpoint=True" if async_checkpoint else "skip_nonfinite=True"
+            raise ValueError(
+                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for"
+                f" engine={engine!r}, offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r})."
+                " DeepSpeed writes its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine"
+                " for this flag."
+            )
+        self._ds: DeepSpeedEngine | None = None
         self.async_checkpoint = async_checkpoint
         self._async: AsyncCheckpointer | None = None
         self.skip_nonfinite = skip_nonfinite
@@ -251,10 +271,24 @@ class ShardStrategy(ParallelStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
-        self._engine = FSDPEngine(self.stage, self.device_mesh, self.precision_plugin, self._shard_modules)
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
+        if self.engine_name == "deepspeed":
+            self._setup_deepspeed(trainer)
+            return
+        self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
+        offload_policy = None
+        if self.offload_params == "cpu":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            offload_policy = CPUOffloadPolicy(
+                pin_memory=bool(
+                    self.pin_memory if self.pin_memory is not None else self.root_device.type == "cuda"
+                )
+            )
+        self._engine = FSDPEngine(
+            self.stage, self.device_mesh, self.precision_plugin, self._shard_modules, offload_policy
+        )
         module = self.precision_plugin.convert_module(self.model)
         if self.stage < 2:
             module.to(self.root_device)
@@ -266,6 +300,56 @@ class ShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_deepspeed(self, trainer: L.Trainer) -> None:
+        self.precision_plugin.engine_managed = True
+        self._ds = DeepSpeedEngine(
+            self.stage,
+            self.precision_plugin,
+            self.offload_optimizer,
+            self.offload_params,
+            self.nvme_path,
+            self.pin_memory,
+            self.global_rank,
+        )
+        config = self._ds.config(
+            trainer.accumulate_grad_batches,
+            trainer.gradient_clip_val,
+            trainer.gradient_clip_algorithm,
+            self.root_device,
+        )
+        if trainer.state.fn != TrainerFn.FITTING:
+            self.model.to(self.root_device)
+            return
+        self._reset_optimizers_and_schedulers()
+        ParallelStrategy.setup_optimizers(self, trainer)
+        assert self._process_group_backend is not None
+        engine, ds_optimizer, client_optimizer = self._ds.initialize(
+            self.model, self.optimizers, config, self._process_group_backend
+        )
+        for config_ in self.lr_scheduler_configs:
+            if getattr(config_.scheduler, "optimizer", None) is not client_optimizer:
+                _rebind_scheduler(config_.scheduler, client_optimizer)
+        self.model = engine
+        self.optimizers = [ds_optimizer]
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # DeepSpeed counts micro-batches itself and steps at the boundary.
+        return self.engine_name == "deepspeed"
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.engine_name != "deepspeed":
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        DeepSpeedEngine.backward(self.model, closure_loss)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -317,6 +401,11 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.engine_name == "deepspeed":
+            result = closure()
+            self.precision_plugin._after_closure(self.lightning_module, optimizer)
+            DeepSpeedEngine.step(self.model)
+            return result
         if self._guard is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         result = closure()
@@ -343,6 +432,13 @@ class ShardStrategy(ParallelStrategy):
                 logger.log_metrics(
                     {"shard/skipped_steps": float(self._guard.total)}, step=trainer.global_step
                 )
+
+    def state_bytes(self) -> dict[str, Any]:
+        """This rank's bytes of model state; with DeepSpeed, split by where they live (accelerator/host/nvme)."""
+        if self._ds is not None:
+            return self._ds.state_bytes(self.model)
+        assert self.lightning_module is not None
+        return model_state_bytes(self.lightning_module, self.optimizers).as_dict()
 
     @property
     def skipped_steps(self) -> int:
@@ -385,6 +481,8 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._ds is not None:
+            self._ds.teardown()
         if self._async is not None:
             self._async.wait()
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -400,6 +498,8 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._ds is not None:
+            return {}  # DeepSpeed writes model and optimizer state itself, per rank
         assert self.model is not None
         return self.engine.model_state_dict(self.model, full=self._full)
 
@@ -407,6 +507,8 @@ class ShardStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._ds is not None:
+            return {}
         assert self.model is not None
         return self.engine.optimizer_state_dict(self.model, optimizer, full=self._full)
 
@@ -427,6 +529,19 @@ class ShardStrategy(ParallelStrategy):
                 "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
             )
         path = Path(self.broadcast(str(filepath)))
+        if self._ds is not None:
+            checkpoint.pop("state_dict", None)
+            checkpoint.pop("optimizer_states", None)
+            tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
+            if self.is_global_zero:
+                ckpt._remove(tmp)
+            self.barrier()
+            DeepSpeedEngine.save(self.model, tmp, checkpoint)
+            self.barrier()
+            if self.is_global_zero:
+                ckpt.commit(tmp, path)
+            self.barrier()
+            return
         if not self._full:
             state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
             for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -453,6 +568,8 @@ class ShardStrategy(ParallelStrategy):
             self._async.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
+        if self._ds is not None:
+            return DeepSpeedEngine.load(self.model, path)
         if path.is_dir():
             return self._load_sharded(path)
         if not path.is_file():

@@ -26,11 +26,6 @@ def test_unknown_engine():
         ShardStrategy(engine="megatron")
 
 
-def test_deepspeed_engine_not_yet():
-    with pytest.raises(NotImplementedError, match=r"engine='deepspeed'\) is not available"):
-        ShardStrategy(engine="deepspeed")
-
-
 def test_unknown_checkpoint_mode():
     with pytest.raises(ValueError, match=r"checkpoint='zip'\) is unknown"):
         ShardStrategy(checkpoint="zip")

@@ -1,0 +1,254 @@
+"""Bytes per device for one configuration (stage, offloads, checkpointing), and the search for the cheapest.
+
+Model state, for Ψ parameters over N data-parallel ranks, as this package's FSDP2 engine holds it::
+
+    p = bytes per stored parameter: 4 (fp32) in 32-true and in mixed precision, 2 in bf16-true
+        (in mixed precision the stored fp32 parameter *is* the master copy: there is no second one)
+    g = p           gradients have the parameter's dtype
+    K = n·p         optimizer state: n tensors the size of the parameter (Adam: exp_avg, exp_avg_sq, n = 2)
+
+    stage   parameters   gradients   optimizer
+    0       Ψ·p          Ψ·g         Ψ·K
+    1       Ψ·p          Ψ·g         Ψ·K / N
+    2       Ψ·p / N      Ψ·g / N     Ψ·K / N     (FSDP2 reshards at rest; gathered from forward to backward)
+    3       Ψ·p / N      Ψ·g / N     Ψ·K / N
+
+Mixed-precision Adam is 4 + 4 + 8 = 16 bytes per parameter, the ZeRO paper's 2 + 2 + 12 in another
+split (its fp16 parameter and gradient plus fp32 master, exp_avg and exp_avg_sq): the same 16Ψ at
+stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the optimizer state
+(stage >= 1), ``offload_params`` the parameter shards (stage 3), and both together (FSDP2
+``CPUOffloadPolicy``, the optimizer steps on the host) the gradient shards as well.
+
+Working buffers are what exists only during a step, on top of the model state and activations:
+
+* parameter copies: stage 2 holds every unit's gathered parameters from forward to backward (Ψ·c);
+  stage 3 the root unit and two blocks (the one computing and the one prefetched); stages 0-1 in mixed
+  precision keep autocast's low-precision weight copies for backward (except inside checkpointed blocks);
+* gradient buffers: DDP's buckets, a second copy of the gradients (stages 0-1); the unsharded gradients
+  of two units before their reduce-scatter (stages 2-3);
+* the loss: a language model's fp32 log-softmax of the logits and its gradient, 8 bytes x tokens x V;
+* recompute: the activations of the one block being recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_shard._plan_model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
+
+Offload = Literal["none", "cpu", "nvme"]
+Optimizer = Literal["adam", "adamw", "sgd", "momentum"]
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
+CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
+# precision: (stored parameter bytes p, compute bytes c, gradient-reduction bytes)
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 2, 4),
+    "16-mixed": (4, 2, 4),
+    "bf16-true": (2, 2, 2),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run: the flags of ``ShardStrategy`` the planner chooses between."""
+
+    stage: int
+    offload_optimizer: Offload = "none"
+    offload_params: Offload = "none"
+    activation_checkpointing: Checkpointing = "none"
+
+    @property
+    def offloads(self) -> int:
+        return (self.offload_optimizer != "none") + (self.offload_params != "none")
+
+    def cost(self) -> tuple[int, int, int, int]:
+        """Cheapest first: lowest stage, then fewest offloads, then least recompute.
+
+        Between one offload and another, the optimizer's goes first: it crosses to the host once per
+        step, offloaded parameters twice per micro-batch (gathered for forward and for backward).
+        """
+        return (
+            self.stage,
+            self.offloads,
+            CHECKPOINTING.index(self.activation_checkpointing),
+            self.offload_params != "none",
+        )
+
+    def strategy_line(self) -> str:
+        """The exact ``ShardStrategy(...)`` call, naming only flags that differ from the defaults."""
+        args = [f"stage={self.stage}"]
+        if self.offload_optimizer != "none":
+            args.append(f'offload_optimizer="{self.offload_optimizer}"')
+        if self.offload_params != "none":
+            args.append(f'offload_params="{self.offload_params}"')
+        if self.activation_checkpointing != "none":
+            args.append(f'activation_checkpointing="{self.activation_checkpointing}"')
+        return f"ShardStrategy({', '.join(args)})"
+
+
+def unsupported(config: Config, layers: int) -> str | None:
+    """Why ``config`` cannot run, or None. Each reason names the flag and the fix."""
+    if config.offload_params != "none" and config.stage != 3:
+        return (
+            f'offload_params="{config.offload_params}" needs stage=3 (got stage={config.stage}):'
+            " parameters are only sharded at stage 3."
+        )
+    if config.offload_optimizer != "none" and config.stage == 0:
+        return (
+            f'offload_optimizer="{config.offload_optimizer}" needs stage >= 1 (got stage=0): the host steps'
+            " the shard of the optimizer state each rank owns."
+        )
+    if config.offload_optimizer == "nvme" and config.stage != 3:
+        return (
+            f'offload_optimizer="nvme" needs stage=3 (got stage={config.stage}): DeepSpeed ignores NVMe'
+            " optimizer offload below stage 3."
+        )
+    if config.activation_checkpointing != "none" and layers == 0:
+        return (
+            f'activation_checkpointing="{config.activation_checkpointing}" needs repeated blocks, and the'
+            ' model has none. Use activation_checkpointing="none".'
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes on one device (and on its host, for offloaded state) for one configuration."""
+
+    config: Config
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    host: int
+    usable: int
+    buffers_detail: dict[str, int] = field(default_factory=dict)
+    unsupported: str | None = None
+
+    @property
+    def model_state(self) -> int:
+        """Parameters + gradients + optimizer state on the device: the ZeRO table's figure."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.unsupported is None and self.total <= self.usable
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything about a run except the configuration being weighed."""
+
+    shape: ModelShape
+    world_size: int
+    usable: int
+    precision: str
+    optimizer: str
+    micro_batch: int | None
+    seq_len: int | None
+    tp: int = 1
+    pp: int = 1
+
+
+def breakdown(s: Setting, config: Config) -> Breakdown:
+    """Per-device bytes of ``config`` in setting ``s`` (formulas in the module docstring)."""
+    p, c, reduce = PRECISION_BYTES[s.precision]
+    mixed = c < p
+    n, mp = s.world_size, s.tp * s.pp
+    psi, trainable = s.shape.params / mp, s.shape.trainable / mp
+    block = s.shape.block_params / s.tp
+    root = s.shape.root_params / mp
+    params = psi * p / (n if config.stage >= 2 else 1)
+    grads = trainable * p / (n if config.stage >= 2 else 1)
+    optim = trainable * OPTIMIZER_STATES[s.optimizer] * p / (n if config.stage >= 1 else 1)
+    host = 0.0
+    if config.offload_optimizer != "none":
+        host, optim = host + optim, 0.0
+    if config.offload_params != "none":
+        host, params = host + params, 0.0
+        if config.offload_optimizer != "none":  # the optimizer steps on the host, so gradients land there
+            host, grads = host + grads, 0.0
+    ckpt = config.activation_checkpointing
+    detail = _buffers(s, config, psi, trainable, block, root, p, c, reduce, mixed)
+    acts = 0.0
+    if s.micro_batch and s.seq_len:
+        r = p  # under autocast the residual stream keeps the stored dtype (fp32 in mixed precision)
+        acts = activation_bytes(s.shape, s.micro_batch, s.seq_len, ckpt, r, c, s.tp)
+        tokens = s.micro_batch * s.seq_len
+        if ckpt != "none" and s.shape.layers:
+            kept = block_activation_bytes(s.shape, ckpt, r, c)
+            detail["recompute"] = int(tokens * (block_activation_bytes(s.shape, "none", r, c) - kept) / s.tp)
+        if s.shape.vocab:
+            detail["loss"] = int(8 * tokens * s.shape.vocab / s.tp)
+    return Breakdown(
+        config=config,
+        parameters=int(params),
+        gradients=int(grads),
+        optimizer=int(optim),
+        activations=int(acts),
+        buffers=sum(detail.values()),
+        host=int(host),
+        usable=s.usable,
+        buffers_detail=detail,
+        unsupported=unsupported(config, s.shape.layers),
+    )
+
+
+def _buffers(
+    s: Setting,
+    config: Config,
+    psi: float,
+    trainable: float,
+    block: float,
+    root: float,
+    p: int,
+    c: int,
+    reduce: int,
+    mixed: bool,
+) -> dict[str, int]:
+    layers_here = -(-s.shape.layers // s.pp)  # ceil: the pipeline stage with the most layers
+    gather = c if mixed else p  # FSDP2 gathers in the compute dtype in mixed precision
+    if config.stage >= 2:
+        two_units = min(psi, root + 2 * block) if layers_here else psi
+        copies = psi * gather if config.stage == 2 else two_units * gather
+        grad_buffers = (min(trainable, 2 * block) if layers_here else trainable) * reduce
+    else:
+        checkpointed = layers_here * block if config.activation_checkpointing != "none" else 0.0
+        copies = max(0.0, psi - checkpointed) * c if mixed else 0.0
+        grad_buffers = trainable * p
+    return {"parameter_copies": int(copies), "gradient_buffers": int(grad_buffers)}
+
+
+def candidates(
+    stages: tuple[int, ...],
+    offload_optimizer: Offload | Literal["auto"],
+    offload_params: Offload | Literal["auto"],
+    checkpointing: Checkpointing | Literal["auto"],
+) -> list[Config]:
+    """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path)."""
+    opt_choices = ("none", "cpu") if offload_optimizer == "auto" else (offload_optimizer,)
+    param_choices = ("none", "cpu") if offload_params == "auto" else (offload_params,)
+    ckpt_choices = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
+    return [
+        Config(stage, opt, par, ckpt)
+        for stage in stages
+        for opt in opt_choices
+        for par in param_choices
+        for ckpt in ckpt_choices
+    ]
+
+
+def cheapest(rows: list[Breakdown]) -> Breakdown | None:
+    """The cheapest row that fits; if none fits, the supported one with the fewest bytes; None if none runs."""
+    fitting = [row for row in rows if row.fits]
+    if fitting:
+        return min(fitting, key=lambda row: row.config.cost())
+    runnable = [row for row in rows if row.unsupported is None]
+    return min(runnable, key=lambda row: (row.total, row.config.cost())) if runnable else None

@@ -1,0 +1,267 @@
+"""What the planner knows about a model: its parameter count and transformer shape, and its activations.
+
+A shape comes from a real module (counted; layers, hidden size, heads and vocabulary read off its
+attributes and layers), from a class path built on the meta device (no memory, no weights), or from a
+bare parameter count (shape inferred, GPT-3 proportions). Activation bytes follow from the shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_shard._modules import detect_block_classes, find_blocks
+from lightning_shard._plan_units import PlanInputError
+
+Checkpointing = Literal["none", "selective", "full"]
+
+_HIDDEN = ("hidden_size", "d_model", "n_embd", "embed_dim")
+_HEADS = ("num_attention_heads", "n_heads", "n_head", "num_heads")
+_VOCAB = ("vocab_size", "n_vocab")
+_SEQ = ("seq_len", "max_position_embeddings", "n_positions", "block_size", "max_seq_len")
+# GPT-3's family keeps hidden / layers near 128 (e.g. 4096 / 32, 12288 / 96): a fair guess of a shape.
+_ASPECT = 128
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers the plan needs. ``layers`` is 0 for a model without repeated blocks."""
+
+    params: int
+    """Parameters, tied ones counted once."""
+    trainable: int
+    """Parameters with ``requires_grad``: they get gradients and optimizer state."""
+    layers: int
+    """Repeated blocks (transformer layers): the units of activation checkpointing and sharding."""
+    block_params: int
+    """Parameters of one block; the rest (embeddings, final norm, head) is ``params - layers * block_params``."""
+    hidden: int
+    heads: int
+    ffn: int
+    """Width of the MLP's inner layer (4 x hidden in GPT-2)."""
+    vocab: int
+    seq_len: int | None
+    """The sequence length the model was built for, if it says (position embeddings); else None."""
+    source: str
+    inferred: bool = False
+    """True when layers / hidden were guessed from the parameter count."""
+
+    @property
+    def root_params(self) -> int:
+        return max(0, self.params - self.layers * self.block_params)
+
+
+def _find_int(module: nn.Module, names: tuple[str, ...], deep: bool = False) -> int | None:
+    """First positive int attribute in ``names`` on the model, its ``config`` or its ``hparams``.
+
+    Only the model and its direct children are read unless ``deep``: an attribute such as ``dim`` or
+    ``embed_dim`` deep inside means something else (a softmax axis, one attention layer's width).
+    """
+    holders = list(module.modules()) if deep else [module, *module.children()]
+    for sub in holders:
+        for holder in (sub, getattr(sub, "config", None), getattr(sub, "hparams", None)):
+            if holder is None:
+                continue
+            for name in names:
+                value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+def _position_embedding_rows(module: nn.Module) -> int | None:
+    """Rows of a learned position embedding (``pos_emb``, ``wpe``, ``position_embeddings``): the max length."""
+    for name, sub in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(sub, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
+            return sub.num_embeddings
+    return None
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters())  # parameters() already yields a tied parameter once
+
+
+def shape_from_module(module: nn.Module, source: str | None = None) -> ModelShape:
+    """Count ``module``'s parameters and read its transformer shape (works on the meta device)."""
+    params = _unique_params(module)
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    classes = detect_block_classes(module)
+    blocks = find_blocks(module, classes) if classes else []
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    embeddings = sorted(
+        (m for m in module.modules() if isinstance(m, nn.Embedding)), key=lambda m: -m.weight.numel()
+    )
+    hidden = _find_int(module, _HIDDEN)
+    if hidden is None and blocks:
+        norms = [m for m in blocks[0].modules() if isinstance(m, nn.LayerNorm)]
+        hidden = int(norms[0].normalized_shape[0]) if norms else None
+    if hidden is None and embeddings:
+        hidden = embeddings[0].embedding_dim
+    hidden = hidden or 0
+    vocab = _find_int(module, _VOCAB) or (embeddings[0].num_embeddings if embeddings else 0)
+    heads = _find_int(module, _HEADS, deep=True) or max(1, hidden // 128)
+    linears = [m for m in (blocks[0].modules() if blocks else ()) if isinstance(m, nn.Linear)]
+    ffn = max((m.out_features for m in linears if m.in_features == hidden), default=4 * hidden)
+    return ModelShape(
+        params=total,
+        trainable=trainable,
+        layers=len(blocks),
+        block_params=block_params,
+        hidden=hidden,
+        heads=heads,
+        ffn=max(ffn, hidden),
+        vocab=vocab,
+        seq_len=_find_int(module, _SEQ) or _position_embedding_rows(module),
+        source=source or type(module).__name__,
+    )
+
+
+def shape_from_params(
+    params: int | None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    vocab: int | None = None,
+    ffn: int | None = None,
+) -> ModelShape:
+    """A GPT-2-style shape for a parameter count, or a parameter count for a shape.
+
+    A GPT-2 block has ``12 h^2 + 13 h`` parameters (qkv 3h^2, projection h^2, MLP 8h^2, biases and two
+    layer norms 13h); the embeddings add ``V h``. Given only the count Ψ, solve ``12 L h^2 = Ψ`` with
+    ``h = 128 L`` (GPT-3's proportions): 7e9 gives L = 33, h = 4224; 175e9 gives L = 97, h = 12416.
+    """
+    if params is None and not (layers and hidden):
+        raise PlanInputError(
+            "The planner needs a model size: give --params (e.g. 7e9) or --model CLASS_PATH, or both"
+            " --layers and --hidden."
+        )
+    inferred = not (layers and hidden)
+    vocab = 32000 if vocab is None else vocab
+    if inferred:
+        assert params is not None
+        if layers is None:
+            layers = (
+                max(1, round((params / (12 * _ASPECT**2)) ** (1 / 3)))
+                if hidden is None
+                else max(1, round(params / (12 * hidden**2)))
+            )
+        if hidden is None:
+            hidden = max(64, round(math.sqrt(params / (12 * layers)) / 64) * 64)
+    assert layers is not None and hidden is not None
+    ffn = ffn or 4 * hidden
+    block = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn
+    if params is None:
+        params = layers * block + vocab * hidden + 2 * hidden
+    return ModelShape(
+        params=params,
+        trainable=params,
+        layers=layers,
+        block_params=min(block, params // layers),
+        hidden=hidden,
+        heads=heads or max(1, hidden // 128),
+        ffn=ffn,
+        vocab=vocab,
+        seq_len=None,
+        source="parameter count",
+        inferred=inferred,
+    )
+
+
+def build_on_meta(
+    class_path: str,
+    init_args: dict[str, Any] | None = None,
+    argv: list[str] | None = None,
+    flag: str = "--model",
+) -> nn.Module:
+    """Import ``class_path``, check it is an ``nn.Module``, and build it on the meta device (no memory).
+
+    Constructor arguments come as ``init_args`` (a dict) or as jsonargparse command-line arguments
+    (``argv=["--model.n_layers", "12"]``), and are type-checked against the signature as LightningCLI does.
+    """
+    from jsonargparse import ArgumentParser
+
+    module_name, _, class_name = class_path.rpartition(".")
+    if not module_name:
+        raise PlanInputError(
+            f"{flag}={class_path!r} is not an import path. Give a dotted path such as examples.gpt.GPT."
+        )
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as err:
+        raise PlanInputError(
+            f"{flag}={class_path!r} could not be imported ({err}). Check the dotted path, and run from the"
+            " directory that holds the package or put it on PYTHONPATH."
+        ) from err
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise PlanInputError(f"{flag}={class_path!r} is {cls!r}, not an nn.Module subclass.")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(nn.Module, "model", required=True)
+    given = " ".join(argv) if argv else str(init_args or {})
+    try:
+        if argv:
+            config = parser.parse_args(["--model", class_path, *argv])
+        else:
+            config = parser.parse_object({"model": {"class_path": class_path, "init_args": init_args or {}}})
+        with torch.device("meta"):
+            return getattr(parser, "instantiate", parser.instantiate_classes)(config).model
+    except Exception as err:  # jsonargparse's error types vary by version; all of them mean bad arguments
+        # jsonargparse lists every Union member it tried; the first problem is the one that matters.
+        detail = " ".join(str(err).split()).split(" - Expected a <class 'NoneType'>")[0]
+        raise PlanInputError(
+            f"{flag}={class_path!r} could not be built with {given}: {detail}. Check the constructor's"
+            " argument names and types."
+        ) from err
+
+
+# --- activations -----------------------------------------------------------------------------------------
+
+
+def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: int) -> float:
+    """Bytes one block keeps for backward, per token (GPT-2-style block, fused attention).
+
+    Counted on ``examples/gpt.py`` with saved-tensor hooks, h = hidden, f = ffn, a = heads, r = bytes of
+    the residual stream (fp32 in mixed precision), c = bytes of compute outputs::
+
+        none:      2h·r  (the two layer-norm inputs: the block input and the mid-block residual)
+                 + (6h + 2f)·c  (norm outputs h + h, qkv 3h, attention output h, MLP in f and out f)
+                 + 4a + 16  (attention log-sum-exp, layer-norm mean/rstd, fp32)
+        selective: h·r  (the checkpoint's input) + (6h + f)·c  (matmul outputs 3h, h, f, h and the
+                   attention output h) + 4a
+        full:      h·r  (only the input)
+
+    This is Korthikanti et al.'s 34·s·b·h bytes per layer (16-bit, with dropout masks) without masks
+    and with flash attention (no a·s² attention-score term).
+    """
+    h, f, a = shape.hidden, shape.ffn, shape.heads
+    if mode == "full":
+        return h * r
+    if mode == "selective":
+        return h * r + (6 * h + f) * c + 4 * a
+    return 2 * h * r + (6 * h + 2 * f) * c + 4 * a + 16
+
+
+def activation_bytes(
+    shape: ModelShape, micro_batch: int, seq_len: int, mode: Checkpointing, r: int, c: int, tp: int = 1
+) -> float:
+    """Bytes the forward pass leaves for backward on one device.
+
+    ``tokens x (L x block + outside)`` where outside is the final norm's input h·r, its statistics,
+    its output h·c and the logits V·c. With tensor parallelism ``tp`` (and sequence parallelism) every
+    term is split ``tp`` ways. With a 1F1B pipeline the first stage holds ``p`` micro-batches of
+    ``L / p`` layers, so the total is the same as without a pipeline.
+    """
+    tokens = micro_batch * seq_len
+    outside = shape.hidden * (r + c) + 8 + shape.vocab * c
+    return tokens * (shape.layers * block_activation_bytes(shape, mode, r, c) + outside) / tp
+
+
+def with_overrides(shape: ModelShape, **fields: Any) -> ModelShape:
+    """``shape`` with the user's explicit --layers / --hidden / --heads / --vocab / --ffn applied."""
+    return replace(shape, **{k: v for k, v in fields.items() if v is not None})

@@ -1,0 +1,159 @@
+"""Counting the FLOPs of one real training step, split into forward, backward and recompute.
+
+``StepFlopCounter`` is ``torch.utils.flop_counter.FlopCounterMode`` (the same per-op formulas) with
+three additions: each count is tagged with the autograd phase it ran in, the CPU flash-attention
+kernel that torch's registry lacks is counted, and ops on tensor subclasses (DTensor) are counted
+at the size each rank computes. ``batch_shape`` gives the samples and tokens of a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from typing_extensions import override
+
+try:  # private: lets ops on tensor subclasses be counted locally; without it DTensor ops count globally
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+    from torch.utils.flop_counter import _FlopCounterMode
+except ImportError:  # pragma: no cover - depends on the torch version
+    _FlopCounterMode = None  # type: ignore[assignment,misc]
+
+Phase = Literal["forward", "backward", "recompute"]
+
+
+def _autograd_phase() -> Phase:
+    if torch._C._current_graph_task_id() == -1:
+        return "forward"
+    return "recompute" if torch.is_grad_enabled() else "backward"
+
+
+if _FlopCounterMode is not None:
+
+    class _LocalFlopDispatch(_FlopCounterMode):
+        @override
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            # Returning NotImplemented hands the op to a wrapper subclass (DTensor, float8 tensors), whose
+            # ops on its inner tensors then come back through this mode and are counted at their local
+            # size. Other subclasses (FakeTensor in DTensor's sharding propagation) are left alone.
+            if any(is_traceable_wrapper_subclass_type(t) for t in types):
+                return NotImplemented
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _cpu_attention_formulas() -> dict[Any, Callable[..., int]]:
+    # torch's registry has the CUDA fused-attention kernels but not the CPU flash kernel, whose
+    # leading arguments (q, k, v) / (grad_out, q, k, v) are the same: without these entries CPU
+    # attention counts 0 FLOPs.
+    aten = torch.ops.aten
+    pairs = [
+        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+        (
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_scaled_dot_product_flash_attention_backward",
+        ),
+    ]
+    return {
+        getattr(aten, cpu): _raw(flop_registry[getattr(aten, cuda)])
+        for cpu, cuda in pairs
+        if hasattr(aten, cpu) and getattr(aten, cuda) in flop_registry
+    }
+
+
+def _raw(formula: Callable[..., int]) -> Callable[..., int]:
+    def raw(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    # Registry formulas already take the raw (args, out_val): tell FlopCounterMode not to wrap again.
+    raw._get_raw = True  # type: ignore[attr-defined]
+    return raw
+
+
+# Usable as ``FlopCounterMode(custom_mapping=CPU_ATTENTION_FLOPS)`` too.
+CPU_ATTENTION_FLOPS = _cpu_attention_formulas()
+
+
+class StepFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` whose total is also split by autograd phase (``by_phase``).
+
+    ``recompute`` holds the forward work redone in backward: checkpointed regions, and the score
+    matrix QK^T that fused (flash / memory-efficient / cuDNN / flex) attention recomputes in its
+    backward instead of storing. torch counts that backward as five equal matmuls (QK^T, then
+    dO V^T, P^T dO, dS K, dS^T Q), so one fifth is the recompute. Model FLOPs therefore equal the
+    textbook 6N + 12·L·T·d per token whichever attention kernel ran.
+
+    May be entered in one hook and left in another; nothing else must push a dispatch mode in between
+    without popping it.
+    """
+
+    def __init__(self) -> None:
+        self.by_phase: dict[Phase, int] = {"forward": 0, "backward": 0, "recompute": 0}
+        registry = {**flop_registry, **CPU_ATTENTION_FLOPS}
+        super().__init__(
+            display=False, custom_mapping={op: self._tagged(op, f) for op, f in registry.items()}
+        )
+
+    def _tagged(self, op: Any, formula: Callable[..., int]) -> Callable[..., int]:
+        fused_attention_backward = "attention" in str(op) and str(op).endswith("backward")
+
+        def counted(*args: Any, **kwargs: Any) -> int:
+            if "out_shape" in kwargs:  # shape-wrapped by a torch that ignores _get_raw; shapes pass through
+                kwargs["out_val"] = kwargs.pop("out_shape")
+            flops = formula(*args, **kwargs)
+            phase = _autograd_phase()
+            if fused_attention_backward and phase == "backward":
+                self.by_phase["recompute"] += flops // 5
+                flops_left = flops - flops // 5
+            else:
+                flops_left = flops
+            self.by_phase[phase] += flops_left
+            return flops
+
+        # Registry formulas already take the raw (args, out_val): tell FlopCounterMode not to wrap again.
+        counted._get_raw = True  # type: ignore[attr-defined]
+        return counted
+
+    @override
+    def __enter__(self) -> StepFlopCounter:
+        self.by_phase = dict.fromkeys(self.by_phase, 0)  # type: ignore[assignment]
+        super().__enter__()
+        if _FlopCounterMode is not None and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = _LocalFlopDispatch(self)
+            self.mode.__enter__()
+        return self
+
+    @property
+    def model_flops(self) -> int:
+        return self.by_phase["forward"] + self.by_phase["backward"]
+
+    @property
+    def hardware_flops(self) -> int:
+        return self.model_flops + self.by_phase["recompute"]
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        values = [batch["input_ids"], *batch.values()] if "input_ids" in batch else list(batch.values())
+        return next((t for t in map(_first_tensor, values) if t is not None), None)
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return next((t for t in map(_first_tensor, batch) if t is not None), None)
+    return None
+
+
+def batch_shape(batch: Any) -> tuple[int, int | None]:
+    """(samples, tokens) of a batch from its first tensor (``input_ids`` first in a dict).
+
+    Tokens are samples x sequence length when that tensor holds integer ids of shape (B, T, ...);
+    float inputs such as images have no tokens (None).
+    """
+    t = _first_tensor(batch)
+    if t is None or t.dim() == 0:
+        return 1, None
+    samples = int(t.shape[0])
+    is_ids = not (t.is_floating_point() or t.is_complex())
+    return samples, (samples * int(t.shape[1]) if is_ids and t.dim() >= 2 else None)

@@ -1,0 +1,226 @@
+"""The DeepSpeed engine: ZeRO 0-3 through ``deepspeed.initialize``, CPU-Adam, NVMe (ZeRO-Infinity) offload.
+
+Chosen by ``ShardStrategy(engine="deepspeed")`` or, under ``engine="auto"``, by flags only DeepSpeed
+serves (see :mod:`lightning_shard.offload`). It runs on CUDA (nccl) and on CPU (gloo, DeepSpeed's
+CPU accelerator). The user's LightningModule and ``configure_optimizers`` are used as they are;
+with optimizer offload, a torch ``Adam``/``AdamW`` is swapped for DeepSpeed's ``DeepSpeedCPUAdam``
+with the same param groups and hyperparameters (a torch optimizer stepping on host memory is the
+slow path DeepSpeed warns about).
+
+Precision: ``32-true`` (no mixed precision), ``bf16-mixed`` (DeepSpeed ``bf16``: bf16 weights for
+compute, fp32 master weights in the optimizer), ``16-mixed`` (DeepSpeed ``fp16`` with dynamic loss
+scaling, all ranks agreeing on overflow). Gradient clipping (norm) and accumulation are done by
+DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients on every micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shard import offload
+from lightning_shard.precision import ShardPrecision
+
+log = logging.getLogger(__name__)
+TAG = "checkpoint"
+_STALE_LOCK_SECONDS = 30 * 60
+
+
+class DeepSpeedEngine:
+    """Builds the DeepSpeed config from ShardStrategy's flags and drives ``DeepSpeedEngine``."""
+
+    def __init__(
+        self,
+        stage: int,
+        precision: ShardPrecision,
+        offload_optimizer: str | None = None,
+        offload_params: str | None = None,
+        nvme_path: str | None = None,
+        pin_memory: bool | None = None,
+        rank: int = 0,
+    ) -> None:
+        if precision.precision == "bf16-true":
+            raise ValueError(
+                "ShardStrategy(engine='deepspeed') cannot run precision='bf16-true': DeepSpeed always keeps fp32 master"
+                " weights. Use 'bf16-mixed', or engine='fsdp' for bf16-true."
+            )
+        self.stage = stage
+        self.precision = precision
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.nvme_path = nvme_path
+        self.pin_memory = pin_memory
+        self.rank = rank
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    def config(
+        self, accumulate: int, clip_val: float | None, clip_algorithm: str | None, device: torch.device
+    ) -> dict:
+        if clip_val and clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"Trainer(gradient_clip_algorithm={clip_algorithm!r}) is not available with engine='deepspeed',"
+                " which clips by norm only. Use gradient_clip_algorithm='norm'."
+            )
+        zero: dict[str, Any] = {"stage": self.stage}
+        pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
+        for flag, key in (
+            (self.offload_optimizer, "offload_optimizer"),
+            (self.offload_params, "offload_param"),
+        ):
+            if flag is not None:
+                zero[key] = {"device": flag, "pin_memory": pin}
+                if flag == "nvme":
+                    assert self.nvme_path is not None
+                    zero[key]["nvme_path"] = str(offload.swap_dir(self.nvme_path, self.rank))
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": accumulate,
+            "gradient_clipping": float(clip_val or 0.0),
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+        }
+        if self.precision.precision == "bf16-mixed":
+            config["bf16"] = {"enabled": True}
+        elif self.precision.precision == "16-mixed":
+            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            config["aio"] = {
+                "block_size": 1 << 20,
+                "queue_depth": 8,
+                "single_submit": False,
+                "overlap_events": True,
+            }
+        return config
+
+    def initialize(
+        self, module: nn.Module, optimizers: list[Optimizer], config: dict, process_backend: str
+    ) -> tuple:
+        import deepspeed
+
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ShardStrategy(engine='deepspeed') trains with exactly one optimizer; configure_optimizers returned"
+                f" {len(optimizers)}. Return one optimizer (with param groups), or use engine='fsdp'."
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            assert self.nvme_path is not None
+            offload.clear_swap(self.nvme_path, self.rank)  # a crashed run's leftovers
+            offload.swap_dir(self.nvme_path, self.rank).mkdir(parents=True, exist_ok=True)
+        deepspeed.init_distributed(dist_backend=process_backend, auto_mpi_discovery=False, verbose=False)
+        optimizer = self._offload_optimizer(optimizers[0])
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        return engine, ds_optimizer, optimizer
+
+    def _offload_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.offload_optimizer is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return optimizer
+        clear_stale_build_locks()
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        defaults = optimizer.defaults
+        if defaults.get("amsgrad"):
+            raise ValueError("DeepSpeedCPUAdam has no amsgrad. Use amsgrad=False with offload_optimizer.")
+        groups = [dict(group) for group in optimizer.param_groups]
+        return DeepSpeedCPUAdam(
+            groups,
+            lr=defaults["lr"],
+            betas=defaults["betas"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+        )
+
+    # --- training --------------------------------------------------------------------------------
+
+    @staticmethod
+    def backward(engine: Any, loss: torch.Tensor) -> None:
+        engine.backward(loss)
+
+    @staticmethod
+    def step(engine: Any) -> None:
+        engine.step()
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    @staticmethod
+    def save(engine: Any, tmp: Path, client_state: dict[str, Any]) -> None:
+        engine.save_checkpoint(str(tmp), tag=TAG, client_state=client_state)
+
+    @staticmethod
+    def load(engine: Any, path: Path) -> dict[str, Any]:
+        load_path, client_state = engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
+        return client_state
+
+    # --- accounting ------------------------------------------------------------------------------
+
+    def state_bytes(self, engine: Any) -> dict[str, dict[str, int]]:
+        """Bytes of parameters and optimizer state this rank holds, by where they live."""
+        where: dict[str, dict[str, int]] = {
+            "parameters": {"accelerator": 0, "host": 0, "nvme": 0},
+            "optimizer": {"accelerator": 0, "host": 0, "nvme": 0},
+        }
+        for p in engine.module.parameters():
+            local = getattr(p, "ds_tensor", p)
+            _add(where["parameters"], local)
+        ds_optimizer = engine.optimizer
+        masters = getattr(ds_optimizer, "single_partition_of_fp32_groups", None) or getattr(
+            ds_optimizer, "fp32_partitioned_groups_flat", []
+        )
+        for tensor in masters:
+            _add(where["optimizer"], tensor)
+        inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
+        for state in inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    _add(where["optimizer"], value)
+        if self.nvme_path is not None:
+            swapped = sum(
+                f.stat().st_size
+                for f in offload.swap_dir(self.nvme_path, self.rank).rglob("*")
+                if f.is_file()
+            )
+            key = "optimizer" if self.offload_optimizer == "nvme" else "parameters"
+            where[key]["nvme"] = swapped
+        return where
+
+    def teardown(self) -> None:
+        if self.nvme_path is not None:
+            offload.clear_swap(self.nvme_path, self.rank)
+
+
+def _add(bucket: dict[str, int], tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    bucket["host" if tensor.device.type == "cpu" else "accelerator"] += nbytes
+
+
+def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path]:
+    """Remove JIT-build ``lock`` files left by a killed build; otherwise every later build waits forever.
+
+    torch's build lock records no owner, so age is the test: a build of DeepSpeed's ops takes minutes,
+    a lock older than ``max_age_s`` belongs to a build that died.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        root = Path(_get_build_directory("", verbose=False)).parent
+    except Exception:  # noqa: BLE001  (no build directory yet: nothing to clear)
+        return []
+    removed = []
+    for lock in root.rglob("lock"):
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("Removing stale extension build lock %s (a killed build left it).", lock)
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed

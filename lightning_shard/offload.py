@@ -1,0 +1,130 @@
+"""Offload flags: validation, engine choice, and the checks an NVMe directory must pass.
+
+Which engine serves which combination (``engine="auto"``):
+
+================================================  ==========  ========================================
+flags                                             engine      how
+================================================  ==========  ========================================
+no offload                                        FSDP2       ``fully_shard`` / DDP
+stage 3, ``offload_params="cpu"``,                FSDP2       ``CPUOffloadPolicy``: parameters, gradients
+``offload_optimizer="cpu"``                                   and the optimizer step live on the host
+``offload_optimizer="cpu"`` alone (any stage)     DeepSpeed   ZeRO-Offload, DeepSpeed CPU-Adam
+anything with ``"nvme"``                          DeepSpeed   ZeRO-Infinity, swap files via libaio
+================================================  ==========  ========================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Literal
+
+OffloadDevice = Literal["cpu", "nvme"]
+_DEVICES = (None, "cpu", "nvme")
+SWAP_DIRNAME = "lightning_shard_swap"
+
+
+def validate(
+    stage: int, offload_optimizer: str | None, offload_params: str | None, nvme_path: str | None, engine: str
+) -> str:
+    """Check the offload flags against each other; return the engine that will serve them."""
+    for flag, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if value not in _DEVICES:
+            raise ValueError(
+                f"ShardStrategy({flag}={value!r}) is not an offload target. Use None (keep it on the accelerator),"
+                " 'cpu' (host memory) or 'nvme' (swap files under nvme_path)."
+            )
+    if offload_params is not None and stage < 3:
+        raise ValueError(
+            f"ShardStrategy(offload_params={offload_params!r}) needs stage=3 (got stage={stage}): parameters are"
+            " only sharded at stage 3. Use stage=3 or drop offload_params."
+        )
+    uses_nvme = "nvme" in (offload_optimizer, offload_params)
+    if uses_nvme and stage < 3:
+        raise ValueError(
+            f"ShardStrategy(offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r}) with NVMe"
+            f" needs stage=3 (got stage={stage}): DeepSpeed ignores NVMe offload below stage 3 and writes no swap"
+            " files. Use stage=3, or offload_optimizer='cpu'."
+        )
+    if uses_nvme and nvme_path is None:
+        raise ValueError(
+            "ShardStrategy(offload_...='nvme') needs nvme_path: the directory on the NVMe drive to swap to."
+        )
+    if nvme_path is not None and not uses_nvme:
+        raise ValueError(
+            f"ShardStrategy(nvme_path={nvme_path!r}) is set but nothing is offloaded to 'nvme'."
+            " Set offload_optimizer='nvme' / offload_params='nvme', or drop nvme_path."
+        )
+    fsdp_can_serve = (offload_optimizer, offload_params) in ((None, None), ("cpu", "cpu"))
+    if engine == "fsdp" and not fsdp_can_serve:
+        raise ValueError(
+            f"ShardStrategy(engine='fsdp', offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r})"
+            " cannot be served by FSDP2, which offloads parameters and optimizer state together to CPU only"
+            " (stage 3, both 'cpu'). Use engine='deepspeed' (or 'auto')."
+        )
+    chosen = engine if engine != "auto" else ("fsdp" if fsdp_can_serve else "deepspeed")
+    if chosen == "deepspeed":
+        require_deepspeed()
+    if uses_nvme:
+        assert nvme_path is not None
+        check_nvme_path(nvme_path)
+        require_libaio()
+    return chosen
+
+
+def require_deepspeed() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ValueError(
+            "ShardStrategy needs DeepSpeed for these flags (engine='deepspeed', NVMe offload, or optimizer-only CPU"
+            " offload), and it is not installed. Run: pip install --no-build-isolation 'lightning-shard[deepspeed]'"
+            " (after torch)."
+        )
+
+
+def check_nvme_path(nvme_path: str, need_bytes: int = 0) -> Path:
+    """The NVMe directory must exist, be a writable directory, and have room for the swapped state."""
+    path = Path(nvme_path)
+    if not path.exists():
+        raise ValueError(
+            f"ShardStrategy(nvme_path={nvme_path!r}) does not exist. Create the directory first."
+        )
+    if not path.is_dir():
+        raise ValueError(f"ShardStrategy(nvme_path={nvme_path!r}) is not a directory.")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"ShardStrategy(nvme_path={nvme_path!r}) is not writable by this user.")
+    free = shutil.disk_usage(path).free
+    if need_bytes and free < need_bytes:
+        raise ValueError(
+            f"ShardStrategy(nvme_path={nvme_path!r}) has {free / 2**30:.2f} GiB free but the offloaded state needs"
+            f" {need_bytes / 2**30:.2f} GiB. Free space or choose another drive."
+        )
+    return path
+
+
+def require_libaio() -> None:
+    """DeepSpeed's NVMe swapping goes through libaio; fail early, with the package to install."""
+    require_deepspeed()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ValueError(
+            "NVMe offload needs libaio, which DeepSpeed cannot find. Install it: apt-get install libaio-dev"
+            " (Debian/Ubuntu) or yum install libaio-devel, then retry."
+        )
+
+
+def swap_dir(nvme_path: str, rank: int) -> Path:
+    """This run's own swap directory under nvme_path; nothing outside nvme_path is ever written."""
+    return Path(nvme_path) / SWAP_DIRNAME / f"rank{rank}"
+
+
+def clear_swap(nvme_path: str, rank: int) -> None:
+    """Remove this rank's swap files (at teardown, and at start after a crashed run)."""
+    shutil.rmtree(swap_dir(nvme_path, rank), ignore_errors=True)
+    parent = Path(nvme_path) / SWAP_DIRNAME
+    try:
+        parent.rmdir()  # only once every rank's directory is gone
+    except OSError:
+        pass

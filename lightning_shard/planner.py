@@ -1,0 +1,357 @@
+"""Will it fit, and with which flags? Per-device memory of ZeRO stages 0-3 and the cheapest configuration.
+
+For a model (a module, a class path built on the meta device, or a parameter count), a world size,
+the memory of one device, a precision, an optimizer and a micro-batch, the plan lists for every stage
+the bytes of parameters, gradients, optimizer state, activations and working buffers on one device,
+and picks the cheapest configuration that fits ``(1 - margin) x device memory``: the lowest stage,
+then the fewest offloads, then the least recompute. The formulas are in
+:mod:`lightning_shard._plan_memory` (model state, buffers), :mod:`lightning_shard._plan_model`
+(activations) and :mod:`lightning_shard._plan_layout` (communication, pipeline bubble, TP x PP x DP).
+
+Example::
+
+    from lightning_shard.planner import plan
+    print(plan(params=7e9, world_size=8, device_memory="80GB").table())
+
+``ShardStrategy(stage="auto")`` calls :func:`choose_stage` on the real model at setup.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_shard import _plan_render
+from lightning_shard._plan_layout import (
+    Communication,
+    Layout,
+    communication,
+    pipeline_bubble,
+    ring_allreduce_seconds,
+    suggest_layout,
+)
+from lightning_shard._plan_memory import (
+    CHECKPOINTING,
+    OPTIMIZER_STATES,
+    PRECISION_BYTES,
+    Breakdown,
+    Config,
+    Offload,
+    Optimizer,
+    Setting,
+    breakdown,
+    candidates,
+    cheapest,
+)
+from lightning_shard._plan_model import (
+    Checkpointing,
+    ModelShape,
+    activation_bytes,
+    build_on_meta,
+    shape_from_module,
+    shape_from_params,
+)
+from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count, parse_size
+
+__all__ = [
+    "Breakdown",
+    "Config",
+    "ModelShape",
+    "Plan",
+    "PlanInputError",
+    "activation_bytes",
+    "available_device_memory",
+    "build_on_meta",
+    "choose_stage",
+    "pipeline_bubble",
+    "plan",
+    "ring_allreduce_seconds",
+    "shape_from_module",
+]
+
+Stage = Literal[0, 1, 2, 3, "auto"]
+Auto = Literal["auto"]
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer: a row per stage, the recommended configuration, and what it was computed from."""
+
+    model: ModelShape
+    world_size: int
+    device_memory: int
+    margin: float
+    precision: str
+    optimizer: str
+    micro_batch: int | None
+    seq_len: int | None
+    stages: tuple[Breakdown, ...]
+    """Stages 0-3, each with its cheapest fitting flags (else its smallest): searched ``"auto"`` flags, fixed ones kept."""
+    recommended: Breakdown | None
+    """The cheapest configuration that fits; if none fits, the one with the fewest bytes (``fits`` False)."""
+    communication: Communication | None
+    layout: Layout | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def usable_memory(self) -> int:
+        return int(self.device_memory * (1 - self.margin))
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended is not None and self.recommended.fits
+
+    @property
+    def stage(self) -> int:
+        """The recommended stage (what ``ShardStrategy(stage="auto")`` uses)."""
+        if self.recommended is None:
+            raise RuntimeError("This plan has no runnable configuration; see Plan.notes.")
+        return self.recommended.config.stage
+
+    @property
+    def strategy(self) -> str | None:
+        """The recommended ``ShardStrategy(...)`` line."""
+        return self.recommended.config.strategy_line() if self.recommended else None
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """The recommended flags as ``ShardStrategy`` keyword arguments (defaults left out)."""
+        if self.recommended is None:
+            return {}
+        flags = asdict(self.recommended.config)
+        return {k: v for k, v in flags.items() if k == "stage" or v != "none"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document; its keys are listed in docs/planner.md and are stable."""
+        return _plan_render.to_dict(self)
+
+    def table(self) -> str:
+        """The per-device table as plain text (for the console and for logs)."""
+        return _plan_render.table(self)
+
+    def plot(self, path: str) -> None:
+        """Stacked bars of the table, one per stage plus the recommendation (needs matplotlib)."""
+        _plan_render.plot(self, path)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise PlanInputError(f"plan({name}={value!r}) is not one of {listed}. Use one of those.")
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanInputError(f"plan({name}={value!r}) must be a whole number >= 1.")
+
+
+def _shape(
+    module: nn.Module | None, model: str | None, init_args: dict[str, Any] | None, params: Any, dims: dict
+) -> ModelShape:
+    if module is None and model is not None:
+        module = build_on_meta(model, init_args)
+    if module is None:
+        return shape_from_params(parse_count(params, "params") if params is not None else None, **dims)
+    shape = shape_from_module(module, model)
+    if params is not None:  # an explicit count wins over the counted one (e.g. a model of a planned size)
+        count = parse_count(params, "params")
+        shape = replace(shape, params=count, trainable=count)
+    return replace(shape, **{k: v for k, v in dims.items() if v is not None})
+
+
+def _validate(args: dict[str, Any]) -> None:
+    for name in ("world_size", "gpus_per_node"):
+        _positive(name, args[name])
+    for name in ("micro_batch", "seq_len", "micro_batches"):
+        _positive(name, args[name], allow_none=True)
+    _check_choice("precision", args["precision"], tuple(PRECISION_BYTES))
+    _check_choice("optimizer", args["optimizer"], tuple(OPTIMIZER_STATES))
+    _check_choice("stage", args["stage"], (0, 1, 2, 3, "auto"))
+    _check_choice("offload_optimizer", args["offload_optimizer"], ("none", "cpu", "nvme", "auto"))
+    _check_choice("offload_params", args["offload_params"], ("none", "cpu", "nvme", "auto"))
+    _check_choice("activation_checkpointing", args["activation_checkpointing"], (*CHECKPOINTING, "auto"))
+    margin = args["margin"]
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise PlanInputError(
+            f"plan(margin={margin!r}) must be a fraction in [0, 1), e.g. 0.1 for 10% headroom."
+        )
+
+
+def _per_stage(rows: list[Breakdown]) -> tuple[Breakdown, ...]:
+    """For each stage, its cheapest fitting configuration (else its smallest, else why it cannot run)."""
+    shown = []
+    for stage in (0, 1, 2, 3):
+        at_stage = [row for row in rows if row.config.stage == stage]
+        shown.append(cheapest(at_stage) or at_stage[0])
+    return tuple(shown)
+
+
+def plan(
+    params: int | float | str | None = None,
+    *,
+    module: nn.Module | None = None,
+    model: str | None = None,
+    init_args: dict[str, Any] | None = None,
+    world_size: int = 1,
+    device_memory: int | str,
+    precision: str = "bf16-mixed",
+    optimizer: Optimizer = "adam",
+    stage: Stage = "auto",
+    offload_optimizer: Offload | Auto = "auto",
+    offload_params: Offload | Auto = "auto",
+    activation_checkpointing: Checkpointing | Auto = "auto",
+    micro_batch: int | None = 1,
+    seq_len: int | None = None,
+    margin: float = 0.1,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    vocab: int | None = None,
+    ffn: int | None = None,
+    layout: bool = False,
+    gpus_per_node: int = 8,
+    bandwidth: float | str = "25GB/s",
+    micro_batches: int | None = None,
+) -> Plan:
+    """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
+
+    The model is ``module`` (counted as is), ``model`` (a class path built on the meta device with
+    ``init_args``), or ``params`` (a count such as ``7e9`` or ``"70B"``; the shape is then inferred
+    unless ``layers`` / ``hidden`` are given). ``seq_len`` defaults to the model's own (position
+    embeddings), else 2048; ``micro_batch=None`` plans model state only. ``"auto"`` flags are searched,
+    fixed ones kept; a fixed ``stage`` limits the recommendation, not the table. ``layout=True`` adds the
+    TP x PP x DP suggestion for ``world_size`` devices of ``gpus_per_node`` each.
+    """
+    _validate(locals())
+    memory = parse_size(device_memory, "device_memory")
+    dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "ffn": ffn}
+    shape = _shape(module, model, init_args, params, dims)
+    seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
+    usable = int(memory * (1 - margin))
+    setting = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
+    configs = candidates((0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing)
+    rows = [breakdown(setting, config) for config in configs]
+    allowed = [row for row in rows if stage == "auto" or row.config.stage == stage]
+    if all(row.unsupported for row in allowed):
+        raise PlanInputError(f"plan(stage={stage!r}): {allowed[-1].unsupported}")
+    recommended = cheapest(allowed)
+    bw = parse_bandwidth(bandwidth, "bandwidth")
+    comm = communication(setting, recommended.config.stage, bw) if recommended and world_size > 1 else None
+    grid = None
+    if layout and world_size > 1:
+        grid = suggest_layout(setting, gpus_per_node, bw, micro_batches, activation_checkpointing)
+    return Plan(
+        model=shape,
+        world_size=world_size,
+        device_memory=memory,
+        margin=float(margin),
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq,
+        stages=_per_stage(rows),
+        recommended=recommended,
+        communication=comm,
+        layout=grid,
+        notes=tuple(_notes(shape, micro_batch, recommended)),
+    )
+
+
+def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None) -> list[str]:
+    notes = []
+    if shape.inferred:
+        notes.append(
+            f"Shape inferred from the parameter count (layers={shape.layers}, hidden={shape.hidden},"
+            f" vocab={shape.vocab}); give --layers/--hidden/--vocab or --model for a closer activation estimate."
+        )
+    if micro_batch is None:
+        notes.append("No micro-batch given: activations are not counted, only model state and buffers.")
+    if shape.layers == 0:
+        notes.append("No repeated blocks found: activations count only the output, and checkpointing is off.")
+    if best is not None and not best.fits:
+        notes.append(
+            "Nothing fits: the recommendation is the configuration with the fewest bytes. Add devices,"
+            " lower the micro-batch or sequence length, or use a lower-precision setting."
+        )
+    if best is not None and best.host:
+        notes.append(f"Offloading keeps {best.host / 1e9:.1f} GB per device in host memory (not checked).")
+    return notes
+
+
+def choose_stage(
+    module: nn.Module,
+    world_size: int,
+    device_memory: int,
+    precision: str,
+    micro_batch: int | None,
+    seq_len: int | None,
+    margin: float = 0.1,
+    *,
+    optimizer: Optimizer = "adam",
+    activation_checkpointing: Checkpointing | Auto = "auto",
+    offload_optimizer: Offload | Auto = "auto",
+    offload_params: Offload | Auto = "auto",
+) -> Plan:
+    """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
+
+    Cheapest = lowest stage, then fewest offloads, then least recompute, among configurations whose
+    per-device total fits ``(1 - margin) x device_memory``. Flags the user fixed on the strategy are
+    passed as fixed values; ``"auto"`` ones are searched. If nothing fits, ``plan.recommended`` is the
+    configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
+    is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
+    """
+    return plan(
+        module=module,
+        world_size=world_size,
+        device_memory=device_memory,
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        margin=margin,
+        activation_checkpointing=activation_checkpointing,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+
+
+def available_device_memory(device: torch.device | str, local_world_size: int | None = None) -> int:
+    """Bytes one rank may plan with: free CUDA memory of ``device``, or available RAM on a CPU.
+
+    On a CPU every rank of the host shares the RAM, so it is divided by ``local_world_size`` (default:
+    the ``LOCAL_WORLD_SIZE`` environment variable torchrun sets, else 1).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        raise ValueError(
+            f"available_device_memory(device={str(device)!r}) supports 'cuda' and 'cpu'. Pass device_memory"
+            " to the planner yourself for other devices."
+        )
+    ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return _available_ram() // max(1, ranks)
+
+
+def _available_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
