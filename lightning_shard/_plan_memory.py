@@ -233,9 +233,11 @@ def candidates(
     checkpointing: Checkpointing | Literal["auto"],
 ) -> list[Config]:
     """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path)."""
-    opt_choices = ("none", "cpu") if offload_optimizer == "auto" else (offload_optimizer,)
-    param_choices = ("none", "cpu") if offload_params == "auto" else (offload_params,)
-    ckpt_choices = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
+    opt_choices: tuple[Offload, ...] = (
+        ("none", "cpu") if offload_optimizer == "auto" else (offload_optimizer,)
+    )
+    param_choices: tuple[Offload, ...] = ("none", "cpu") if offload_params == "auto" else (offload_params,)
+    ckpt_choices: tuple[Checkpointing, ...] = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     return [
         Config(stage, opt, par, ckpt)
         for stage in stages

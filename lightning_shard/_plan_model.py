@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -83,13 +83,9 @@ def _position_embedding_rows(module: nn.Module) -> int | None:
     return None
 
 
-def _unique_params(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.parameters())  # parameters() already yields a tied parameter once
-
-
 def shape_from_module(module: nn.Module, source: str | None = None) -> ModelShape:
     """Count ``module``'s parameters and read its transformer shape (works on the meta device)."""
-    params = _unique_params(module)
+    params = list(module.parameters())  # a tied parameter is yielded once
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     classes = detect_block_classes(module)
@@ -135,7 +131,8 @@ def shape_from_params(
 
     A GPT-2 block has ``12 h^2 + 13 h`` parameters (qkv 3h^2, projection h^2, MLP 8h^2, biases and two
     layer norms 13h); the embeddings add ``V h``. Given only the count Ψ, solve ``12 L h^2 = Ψ`` with
-    ``h = 128 L`` (GPT-3's proportions): 7e9 gives L = 33, h = 4224; 175e9 gives L = 97, h = 12416.
+    ``h = 128 L`` (GPT-3's proportions), h rounded to a multiple of 64: 7e9 gives L = 33, h = 4224; 175e9
+    gives L = 96, h = 12352 (GPT-3: 96, 12288).
     """
     if params is None and not (layers and hidden):
         raise PlanInputError(
@@ -260,8 +257,3 @@ def activation_bytes(
     tokens = micro_batch * seq_len
     outside = shape.hidden * (r + c) + 8 + shape.vocab * c
     return tokens * (shape.layers * block_activation_bytes(shape, mode, r, c) + outside) / tp
-
-
-def with_overrides(shape: ModelShape, **fields: Any) -> ModelShape:
-    """``shape`` with the user's explicit --layers / --hidden / --heads / --vocab / --ffn applied."""
-    return replace(shape, **{k: v for k, v in fields.items() if v is not None})

@@ -126,7 +126,7 @@ def _layout_lines(plan: Plan) -> list[str]:
             o.row.config.activation_checkpointing,
             format_bytes(o.row.total),
             "yes" if o.row.fits else "NO",
-            f"{o.bubble:.0%} (m={o.micro_batches})",
+            f"{o.bubble:.0%} (m={o.micro_batches})" if o.pp > 1 else "-",
             f"{o.communication.allreduce_seconds:.2f} s",
         ]
         for o in plan.layout.options

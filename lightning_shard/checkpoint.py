@@ -100,6 +100,8 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if path.is_file():
         checkpoint = torch.load(path, weights_only=False, map_location="cpu")
         return checkpoint.get(MODEL_KEY, checkpoint)
+    if is_deepspeed_checkpoint(path):
+        return _deepspeed_weights(path)
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
@@ -113,6 +115,23 @@ def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     }
     dcp.load(target, checkpoint_id=str(path), no_dist=True)
     return {key[len(prefix) :]: value for key, value in target.items()}
+
+
+DEEPSPEED_TAG = "checkpoint"
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory written by the DeepSpeed engine (``DeepSpeedEngine.save_checkpoint``)."""
+    tag_dir = Path(path) / DEEPSPEED_TAG
+    return tag_dir.is_dir() and any(tag_dir.glob("*mp_rank_00_model_states.pt"))
+
+
+def _deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
+    # DeepSpeed's own reconstruction of fp32 weights from every rank's ZeRO partitions.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+    return {key: value.detach().clone() for key, value in state.items()}
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -149,56 +149,61 @@ def _model_argv(parser: argparse.ArgumentParser, extras: list[str], model: str |
     return extras
 
 
-def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
+def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, Any]:
+    """The planner's keyword arguments, with every size checked under the flag name the user typed."""
     from lightning_shard._plan_model import build_on_meta
     from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count
-    from lightning_shard.planner import plan
 
     world, per_node = _world(args)
     memory, memory_note = _device_memory(args, per_node)
     if args.params is not None:
         parse_count(args.params, "--params")
     parse_bandwidth(args.bandwidth, "--bandwidth")
-    module = None
-    if args.model is not None:
-        # Like `python -m`, resolve model classes from the working directory too.
-        sys.path.insert(0, os.getcwd())
-        module = build_on_meta(args.model, argv=model_argv)
     if not 0 <= args.margin < 1:
         raise PlanInputError(
             f"--margin {args.margin} must be a fraction in [0, 1), e.g. 0.1 for 10% headroom."
         )
-    result = plan(
-        args.params,
-        module=module,
-        model=args.model,
-        world_size=world,
-        device_memory=memory,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        stage="auto" if args.stage == "auto" else int(args.stage),
-        offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params,
-        activation_checkpointing=args.activation_checkpointing,
-        micro_batch=args.micro_batch,
-        seq_len=args.seq_len,
-        margin=args.margin,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        vocab=args.vocab,
-        ffn=args.ffn,
-        layout=args.layout or world > per_node,
-        gpus_per_node=per_node,
-        bandwidth=args.bandwidth,
-        micro_batches=args.micro_batches,
+    module = None
+    if args.model is not None:
+        if os.getcwd() not in sys.path:  # like `python -m`, find model classes in the working directory
+            sys.path.insert(0, os.getcwd())
+        module = build_on_meta(args.model, argv=model_argv)
+    same: tuple[str, ...] = (
+        "precision",
+        "optimizer",
+        "offload_optimizer",
+        "offload_params",
+        "activation_checkpointing",
     )
-    if memory_note:
-        result = dataclasses.replace(result, notes=(*result.notes, memory_note))
+    same += ("micro_batch", "seq_len", "margin", "layers", "hidden", "heads", "vocab", "ffn", "bandwidth")
+    return {
+        **{name: getattr(args, name) for name in same},
+        "params": args.params,
+        "module": module,
+        "model": args.model,
+        "world_size": world,
+        "device_memory": memory,
+        "stage": "auto" if args.stage == "auto" else int(args.stage),
+        "layout": args.layout or world > per_node,
+        "gpus_per_node": per_node,
+        "micro_batches": args.micro_batches,
+        "_note": memory_note,
+    }
+
+
+def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
+    from lightning_shard.planner import plan
+
+    kwargs = _plan_kwargs(args, model_argv)
+    note = kwargs.pop("_note")
+    result = plan(**kwargs)
+    if note:
+        result = dataclasses.replace(result, notes=(*result.notes, note))
     if args.plot:
         result.plot(args.plot)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     if args.plot:
+        # With --json, stdout stays one JSON document.
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -139,7 +139,7 @@ class Plan:
 
 
 def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
+    if isinstance(value, bool) or value not in choices:  # True == 1 must not pass as stage=1
         listed = ", ".join(repr(c) for c in choices)
         raise PlanInputError(f"plan({name}={value!r}) is not one of {listed}. Use one of those.")
 
@@ -239,7 +239,9 @@ def plan(
     rows = [breakdown(setting, config) for config in configs]
     allowed = [row for row in rows if stage == "auto" or row.config.stage == stage]
     if all(row.unsupported for row in allowed):
-        raise PlanInputError(f"plan(stage={stage!r}): {allowed[-1].unsupported}")
+        # Explain with the closest miss: the highest stage, with no more offloads than the user asked for.
+        closest = min(allowed, key=lambda row: (-row.config.stage, row.config.offloads))
+        raise PlanInputError(f"plan(stage={stage!r}): {closest.unsupported}")
     recommended = cheapest(allowed)
     bw = parse_bandwidth(bandwidth, "bandwidth")
     comm = communication(setting, recommended.config.stage, bw) if recommended and world_size > 1 else None

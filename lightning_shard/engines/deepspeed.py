@@ -25,10 +25,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard import offload
+from lightning_shard.checkpoint import DEEPSPEED_TAG
 from lightning_shard.precision import ShardPrecision
 
 log = logging.getLogger(__name__)
-TAG = "checkpoint"
+TAG = DEEPSPEED_TAG
 _STALE_LOCK_SECONDS = 30 * 60
 
 

@@ -1,0 +1,464 @@
+"""The memory planner: textbook figures, measured bytes, choose_stage, the CLI, and every error path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from examples.gpt import GPT
+from lightning_shard import ShardStrategy, cli
+from lightning_shard._plan_memory import Config, candidates
+from lightning_shard._plan_model import build_on_meta, shape_from_params
+from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count, parse_size
+from lightning_shard.planner import (
+    activation_bytes,
+    available_device_memory,
+    choose_stage,
+    pipeline_bubble,
+    plan,
+    ring_allreduce_seconds,
+    shape_from_module,
+)
+from tests._dist import run_ranks
+from tests.helpers import loader, tiny_gpt, trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN = dict(offload_optimizer="none", offload_params="none", activation_checkpointing="none")
+
+
+# --- textbook figures -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "precision, optimizer, per_param",
+    [
+        ("bf16-mixed", "adam", 16),  # 4 (fp32 param = master) + 4 (grad) + 8 (exp_avg, exp_avg_sq)
+        ("32-true", "adamw", 16),
+        ("bf16-true", "adam", 8),
+        ("bf16-mixed", "sgd", 8),
+        ("bf16-mixed", "momentum", 12),
+    ],
+)
+def test_bytes_per_parameter(precision, optimizer, per_param):
+    result = plan(
+        7e9, device_memory="80GB", precision=precision, optimizer=optimizer, micro_batch=None, **PLAIN
+    )
+    assert result.stages[0].model_state == per_param * 7_000_000_000
+
+
+def test_mixed_precision_adam_7b_is_112gb_before_activations():
+    result = plan("7B", device_memory="80GB", precision="bf16-mixed", micro_batch=None, **PLAIN)
+    stage0 = result.stages[0]
+    assert stage0.model_state == 112_000_000_000
+    assert stage0.activations == 0 and not stage0.fits
+    assert "112.0 GB" in result.table()
+
+
+def test_stage3_on_8_devices_divides_model_state_by_8():
+    rows = plan(7e9, world_size=8, device_memory="80GB", micro_batch=None, **PLAIN).stages
+    psi = 7_000_000_000
+    assert (rows[0].parameters, rows[0].gradients, rows[0].optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert (rows[1].parameters, rows[1].gradients, rows[1].optimizer) == (4 * psi, 4 * psi, psi)
+    assert (rows[2].gradients, rows[2].optimizer) == (psi // 2, psi)
+    assert rows[3].model_state == rows[0].model_state // 8
+    # Stage 2 keeps parameters sharded at rest but gathered (bf16) from forward to backward: a buffer.
+    assert rows[2].parameters == psi // 2 and rows[2].buffers_detail["parameter_copies"] == 2 * psi
+
+
+def test_offload_moves_state_to_the_host():
+    row = plan(
+        7e9, world_size=8, device_memory="80GB", stage=3, offload_optimizer="cpu", offload_params="cpu"
+    ).recommended
+    assert row.parameters == row.gradients == row.optimizer == 0
+    assert row.host == 16 * 7_000_000_000 // 8
+
+
+# --- measured: model state on 2 ranks, activations on the example GPT ------------------------------------
+
+STAGE_RUNS = [
+    (0, "32-true"),
+    (1, "32-true"),
+    (2, "32-true"),
+    (3, "32-true"),
+    (0, "bf16-mixed"),
+    (3, "bf16-mixed"),
+]
+
+
+class _Bytes(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_shard.memory import model_state_bytes
+
+        self.bytes = model_state_bytes(pl_module, trainer.optimizers)
+
+
+def _measure_stages() -> dict[tuple[int, str], tuple[int, int, int]]:
+    out = {}
+    for stage, precision in STAGE_RUNS:
+        probe = _Bytes()
+        trainer = L.Trainer(
+            devices=2,
+            strategy=ShardStrategy(stage=stage),
+            precision=precision,
+            callbacks=[probe],
+            **trainer_kwargs(max_steps=1),
+        )
+        trainer.fit(tiny_gpt(d_model=64), loader(4))
+        out[(stage, precision)] = (probe.bytes.parameters, probe.bytes.gradients, probe.bytes.optimizer)
+    return out
+
+
+@pytest.mark.multirank
+def test_planned_model_state_matches_two_rank_runs():
+    measured = run_ranks(_measure_stages)
+    for precision in ("32-true", "bf16-mixed"):
+        rows = plan(
+            module=tiny_gpt(d_model=64),
+            world_size=2,
+            device_memory="1GB",
+            precision=precision,
+            optimizer="adamw",
+            **PLAIN,
+        ).stages
+        for stage, prec in STAGE_RUNS:
+            if prec != precision:
+                continue
+            planned = (rows[stage].parameters, rows[stage].gradients, rows[stage].optimizer)
+            for rank, result in enumerate(measured):
+                for got, want in zip(result[(stage, prec)], planned, strict=True):
+                    assert abs(got - want) <= 0.10 * want, (
+                        f"stage {stage} {prec} rank {rank}: {result} vs {planned}"
+                    )
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_activation_estimate_matches_measured_gpt(policy):
+    from lightning_shard.activation_checkpointing import apply_activation_checkpointing, measure
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
+    planned = activation_bytes(shape_from_module(model), 4, 128, policy, 4, 4)
+    if policy != "none":
+        apply_activation_checkpointing(model, policy)
+    got = measure(model, torch.randint(0, 256, (4, 128))).activation_bytes
+    assert abs(planned - got) <= 0.25 * got, f"{policy}: planned {planned:.0f} vs measured {got}"
+
+
+def test_activation_estimate_in_mixed_precision_counts_autocast_weight_copies():
+    from lightning_shard.activation_checkpointing import measure
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
+    row = plan(
+        module=model, device_memory="1GB", precision="bf16-mixed", micro_batch=4, stage=0, **PLAIN
+    ).stages[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        got = measure(model, torch.randint(0, 256, (4, 128))).activation_bytes
+    planned = row.activations + row.buffers_detail["parameter_copies"]
+    assert abs(planned - got) <= 0.25 * got, f"planned {planned} vs measured {got}"
+
+
+# --- choosing ------------------------------------------------------------------------------------------
+
+
+def test_choose_stage_picks_stage_0_when_everything_fits():
+    result = choose_stage(
+        GPT(), world_size=2, device_memory=10**12, precision="32-true", micro_batch=4, seq_len=128
+    )
+    assert result.fits and result.stage == 0
+    assert result.strategy == "ShardStrategy(stage=0)" and result.strategy_kwargs() == {"stage": 0}
+    assert "recommended: ShardStrategy(stage=0)" in result.table()
+
+
+def test_choose_stage_goes_higher_when_memory_is_small():
+    model = GPT(d_model=256, n_layers=4)
+    kwargs = dict(world_size=8, precision="32-true", micro_batch=4, seq_len=128)
+    stage0_min = min(  # the smallest any stage-0 configuration can be (stage 0 cannot offload)
+        plan(
+            module=model, device_memory="1TB", stage=0, activation_checkpointing=a, **kwargs
+        ).recommended.total
+        for a in ("none", "selective", "full")
+    )
+    result = choose_stage(model, device_memory=int(stage0_min / 0.9) - 1000, margin=0.1, **kwargs)
+    assert result.fits and result.stage > 0
+    assert result.recommended.total <= result.usable_memory
+    assert not any(row.fits for row in result.stages[:1])
+
+
+def test_choose_stage_keeps_fixed_flags_and_reports_when_nothing_fits():
+    result = choose_stage(
+        GPT(),
+        2,
+        1000,
+        "32-true",
+        4,
+        128,
+        activation_checkpointing="none",
+        offload_optimizer="none",
+        offload_params="none",
+    )
+    assert not result.fits
+    assert result.recommended.config == Config(3)  # the fewest bytes among what may run
+    assert any("Nothing fits" in note for note in result.notes)
+
+
+def test_search_order_is_lowest_stage_then_fewest_offloads_then_least_recompute():
+    ordered = sorted(candidates((0, 1, 2, 3), "auto", "auto", "auto"), key=Config.cost)
+    assert ordered[0] == Config(0)
+    assert ordered[1] == Config(0, activation_checkpointing="selective")
+    stage1 = [c for c in ordered if c.stage == 1]
+    assert stage1[:3] == [Config(1, activation_checkpointing=a) for a in ("none", "selective", "full")]
+    assert stage1[3] == Config(1, offload_optimizer="cpu")
+    assert Config(3, "cpu", "cpu", "full").strategy_line() == (
+        'ShardStrategy(stage=3, offload_optimizer="cpu", offload_params="cpu", activation_checkpointing="full")'
+    )
+
+
+# --- at scale, on paper --------------------------------------------------------------------------------
+
+
+def test_ring_allreduce_and_pipeline_bubble_formulas():
+    assert ring_allreduce_seconds(8e9, 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
+    assert ring_allreduce_seconds(8e9, 1, 1e9) == 0
+    assert pipeline_bubble(4, 12) == pytest.approx(3 / 15)
+    assert pipeline_bubble(1, 8) == 0
+
+
+def test_layout_for_70b_on_256_gpus_keeps_tp_within_a_node():
+    result = plan(70e9, world_size=256, device_memory="80GB", seq_len=4096, layout=True)
+    layout = result.layout
+    assert layout is not None and layout.suggested is not None
+    assert {o.tp for o in layout.options} == {1, 2, 4, 8}
+    for option in layout.options:
+        assert option.tp * option.pp * option.dp == 256
+    best = layout.suggested
+    assert best.row.fits and best.row.total <= result.usable_memory
+    assert "suggested: TP=" in result.table()
+    data = result.to_dict()["layout"]
+    assert data["suggested"]["tp"] * data["suggested"]["pp"] * data["suggested"]["dp"] == 256
+
+
+def test_shape_inferred_from_a_parameter_count():
+    shape = shape_from_params(7_000_000_000)
+    assert shape.inferred and 30 <= shape.layers <= 36 and 3800 <= shape.hidden <= 4600
+    assert shape_from_params(None, layers=2, hidden=64).params > 0
+
+
+def test_shape_read_from_a_meta_model():
+    model = build_on_meta("examples.gpt.GPTModule", {"n_layers": 3, "d_model": 96, "n_heads": 3})
+    shape = shape_from_module(model)
+    assert next(model.parameters()).device.type == "meta"
+    assert (shape.layers, shape.hidden, shape.heads, shape.vocab, shape.seq_len, shape.ffn) == (
+        3,
+        96,
+        3,
+        256,
+        128,
+        384,
+    )
+    assert shape.params == sum(p.numel() for p in GPT(d_model=96, n_layers=3, n_heads=3).parameters())
+
+
+def test_available_device_memory_on_cpu():
+    one = available_device_memory("cpu", local_world_size=1)
+    assert one > 0 and available_device_memory("cpu", local_world_size=4) <= one // 4 + 2**26
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_available_device_memory_on_cuda_is_the_free_memory():
+    free, total = torch.cuda.mem_get_info(0)
+    assert 0.9 * free <= available_device_memory("cuda:0") <= total
+
+
+# --- CLI and JSON ----------------------------------------------------------------------------------------
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_table_and_strategy_line(capsys):
+    code, out, _ = _cli(capsys, "--params", "7e9", "--devices", "8", "--gpu-mem", "80GB")
+    assert code == 0
+    assert re.search(r"^recommended: ShardStrategy\(stage=\d.*\)", out, re.M)
+    for column in ("parameters", "gradients", "optimizer", "activations", "buffers", "fits"):
+        assert column in out
+
+
+def test_cli_builds_a_model_from_its_class_path(capsys):
+    code, out, _ = _cli(
+        capsys,
+        "--model",
+        "examples.gpt.GPT",
+        "--model.n_layers",
+        "6",
+        "--model.d_model=256",
+        "--gpu-mem",
+        "8GB",
+        "--json",
+    )
+    assert code == 0
+    model = json.loads(out)["model"]
+    assert model["params"] == sum(p.numel() for p in GPT(n_layers=6, d_model=256).parameters())
+    assert (model["layers"], model["hidden"], model["source"]) == (6, 256, "examples.gpt.GPT")
+
+
+JSON_KEYS = {
+    "": {"version", "model", "inputs", "stages", "recommended", "strategy", "fits", "communication", "layout", "notes"},
+    "inputs": {"world_size", "device_memory", "usable_memory", "margin", "precision", "optimizer", "micro_batch", "seq_len"},
+    "row": {
+        "stage", "offload_optimizer", "offload_params", "activation_checkpointing", "strategy", "parameters",
+        "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
+    },
+    "communication": {"bandwidth", "gradient_bytes", "allreduce_seconds", "step_bytes", "step_seconds"},
+    "layout": {"gpus_per_node", "options", "suggested"},
+    "option": {
+        "tp", "pp", "dp", "stage", "activation_checkpointing", "per_device_bytes", "fits", "micro_batches",
+        "bubble", "allreduce_seconds", "step_comm_seconds",
+    },
+}  # fmt: skip
+
+
+def test_json_is_stable_and_documented(capsys):
+    code, out, _ = _cli(capsys, "--params", "70e9", "--gpus", "256", "--gpu-mem", "80GB", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == JSON_KEYS[""] and data["version"] == 1
+    assert set(data["inputs"]) == JSON_KEYS["inputs"]
+    assert len(data["stages"]) == 4 and all(set(row) == JSON_KEYS["row"] for row in data["stages"])
+    assert set(data["recommended"]) == JSON_KEYS["row"]
+    assert set(data["communication"]) == JSON_KEYS["communication"]
+    assert (
+        set(data["layout"]) == JSON_KEYS["layout"] and set(data["layout"]["suggested"]) == JSON_KEYS["option"]
+    )
+    assert data["strategy"].startswith("ShardStrategy(stage=")
+    doc = (ROOT / "docs/planner.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+)`", doc))
+    missing = (
+        set().union(*JSON_KEYS.values(), data["model"], data["stages"][0]["buffers_detail"]) - documented
+    )
+    assert not missing, f"docs/planner.md does not list {sorted(missing)}"
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    code, out, _ = _cli(capsys, "--params", "1e9", "--devices", "4", "--gpu-mem", "24GB", "--plot", str(path))
+    assert code == 0 and f"wrote {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)
+    code, _, err = _cli(capsys, "--params", "1e9", "--gpu-mem", "24GB", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "pip install lightning-shard[plot]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "7e9", "--gpu-mem", "80XB"], "unknown unit 'XB'"),
+        (["--params", "7Q", "--gpu-mem", "80GB"], "--params='7Q' has an unknown suffix"),
+        (
+            ["--params", "7e9", "--gpu-mem", "80GB", "--bandwidth", "fast"],
+            "--bandwidth='fast' is not a number",
+        ),
+        (
+            ["--params", "7e9", "--devices", "0", "--gpu-mem", "80GB"],
+            "--devices: must be a whole number >= 1",
+        ),
+        (["--params", "7e9", "--gpus", "16", "--devices", "8", "--gpu-mem", "80GB"], "--gpus 16 disagrees"),
+        (["--model", "nope.Foo", "--gpu-mem", "8GB"], "could not be imported"),
+        (["--model", "examples.gpt.GPT", "--model.n_layers", "x", "--gpu-mem", "8GB"], "could not be built"),
+        (["--params", "7e9", "--stage", "5", "--gpu-mem", "8GB"], "--stage: invalid choice: '5'"),
+        (
+            ["--params", "7e9", "--activation-checkpointing", "most", "--gpu-mem", "8GB"],
+            "invalid choice: 'most'",
+        ),
+        (["--params", "7e9", "--stage", "2", "--offload-params", "cpu", "--gpu-mem", "8GB"], "needs stage=3"),
+        (["--params", "7e9", "--margin", "1.5", "--gpu-mem", "8GB"], "--margin 1.5 must be a fraction"),
+        (["--params", "7e9", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+        (["--params", "7e9", "--model.n_layers", "2"], "no --model CLASS_PATH was given"),
+        (["--gpu-mem", "8GB"], "plan needs a model"),
+    ],
+)
+def test_cli_user_errors_exit_2_without_traceback(capsys, argv, message):
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err and out == ""
+
+
+def test_consolidate_still_reports_a_missing_checkpoint(capsys, tmp_path):
+    assert cli.main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 2
+    assert "lightning-shard consolidate:" in capsys.readouterr().err
+
+
+# --- every raise in the library --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: parse_size("80XB", "--gpu-mem"), r"--gpu-mem='80XB' has an unknown unit 'XB'\. Use B, KB"),
+        (lambda: parse_size("lots", "--gpu-mem"), r"is not a number with an optional unit"),
+        (lambda: parse_size("0GB", "--gpu-mem"), r"must be a positive size"),
+        (lambda: parse_size(True, "--gpu-mem"), r"is not a number"),
+        (lambda: parse_count("7Q", "--params"), r"unknown suffix 'Q'"),
+        (lambda: parse_count("0", "--params"), r"must be at least 1"),
+        (lambda: parse_bandwidth("25XB/s", "--bandwidth"), r"unknown unit"),
+        (lambda: parse_bandwidth("0GB/s", "--bandwidth"), r"must be a positive bandwidth"),
+        (lambda: shape_from_params(None), r"give --params"),
+        (lambda: build_on_meta("GPT"), r"is not an import path"),
+        (lambda: build_on_meta("nope.Foo"), r"could not be imported \(No module named 'nope'\)"),
+        (lambda: build_on_meta("collections.OrderedDict"), r"not an nn.Module subclass"),
+        (lambda: build_on_meta("examples.gpt.GPT", {"n_layers": "x"}), r"could not be built"),
+        (
+            lambda: plan(7e9, world_size=0, device_memory="8GB"),
+            r"plan\(world_size=0\) must be a whole number >= 1",
+        ),
+        (lambda: plan(7e9, micro_batch=0, device_memory="8GB"), r"plan\(micro_batch=0\)"),
+        (lambda: plan(7e9, precision="fp8", device_memory="8GB"), r"plan\(precision='fp8'\) is not one of"),
+        (lambda: plan(7e9, optimizer="lion", device_memory="8GB"), r"plan\(optimizer='lion'\)"),
+        (lambda: plan(7e9, stage=4, device_memory="8GB"), r"plan\(stage=4\)"),
+        (lambda: plan(7e9, stage=True, device_memory="8GB"), r"plan\(stage=True\)"),
+        (
+            lambda: plan(7e9, offload_optimizer="disk", device_memory="8GB"),
+            r"plan\(offload_optimizer='disk'\)",
+        ),
+        (
+            lambda: plan(7e9, activation_checkpointing="some", device_memory="8GB"),
+            r"activation_checkpointing='some'",
+        ),
+        (lambda: plan(7e9, margin=1.0, device_memory="8GB"), r"plan\(margin=1.0\) must be a fraction"),
+        (lambda: plan(7e9, stage=0, offload_optimizer="cpu", device_memory="8GB"), r"needs stage >= 1"),
+        (lambda: plan(7e9, stage=2, offload_optimizer="nvme", device_memory="8GB"), r'"nvme" needs stage=3'),
+        (
+            lambda: plan(module=torch.nn.Linear(4, 4), activation_checkpointing="full", device_memory="8GB"),
+            r"needs repeated blocks",
+        ),
+    ],
+)
+def test_input_errors_name_the_flag_and_the_fix(call, message):
+    with pytest.raises(PlanInputError, match=message):
+        call()
+
+
+def test_other_raises():
+    with pytest.raises(
+        ValueError, match=r"available_device_memory\(device='meta'\) supports 'cuda' and 'cpu'"
+    ):
+        available_device_memory("meta")
+    empty = dataclasses.replace(plan(1e9, device_memory="8GB"), recommended=None)
+    with pytest.raises(RuntimeError, match="no runnable configuration"):
+        _ = empty.stage
