@@ -85,6 +85,8 @@ class ShardStrategy(ParallelStrategy):
         pin_memory: pin host buffers for offload (default: on CUDA).
         activation_checkpointing: ``"full"``, ``"selective"`` or an :class:`ActivationCheckpointing` config;
             the repeated blocks are checkpointed before they are sharded (same implementation as the callback).
+        device_memory: with ``stage="auto"``, the per-device memory to plan for (bytes or e.g. ``"16GB"``);
+            default: free accelerator memory, or this rank's share of available RAM on CPU.
         async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.async_checkpoint`).
         skip_nonfinite: skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf
             on any rank.
@@ -95,7 +97,7 @@ class ShardStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: int = 3,
+        stage: int | Literal["auto"] = 3,
         engine: Engine = "auto",
         shard_modules: Iterable[ModuleClassSpec] | ModuleClassSpec | None = None,
         checkpoint: CheckpointMode = "sharded",
@@ -106,16 +108,17 @@ class ShardStrategy(ParallelStrategy):
         nvme_path: str | None = None,
         pin_memory: bool | None = None,
         activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointing | None = None,
+        device_memory: int | str | None = None,
         async_checkpoint: bool = False,
         skip_nonfinite: bool = False,
         max_skipped: int = 10,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if isinstance(stage, bool) or stage not in _STAGES:
+        if stage != "auto" and (isinstance(stage, bool) or stage not in _STAGES):
             raise ValueError(
                 f"ShardStrategy(stage={stage!r}) is not a ZeRO stage. Use 0 (DDP), 1 (optimizer state sharded),"
-                " 2 (+ gradients) or 3 (+ parameters)."
+                " 2 (+ gradients), 3 (+ parameters), or 'auto' (planned from the model and device memory)."
             )
         if engine not in ("auto", "fsdp", "deepspeed"):
             raise ValueError(
@@ -141,7 +144,24 @@ class ShardStrategy(ParallelStrategy):
             activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
         self.stage = stage
-        self.engine_name = offload.validate(stage, offload_optimizer, offload_params, nvme_path, engine)
+        # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
+        self.engine_name = offload.validate(
+            3 if stage == "auto" else stage, offload_optimizer, offload_params, nvme_path, engine
+        )
+        if stage == "auto" and offload_params is not None:
+            self.stage = stage = 3  # parameter offload exists only at stage 3: nothing left to choose
+        if device_memory is not None:
+            if stage != "auto":
+                raise ValueError(
+                    f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
+                    " Drop device_memory or set stage='auto'."
+                )
+            from lightning_shard._plan_units import parse_size
+
+            parse_size(
+                device_memory, "ShardStrategy(device_memory)"
+            )  # bad units fail here, before any process
+        self.device_memory = device_memory
         self.offload_optimizer, self.offload_params = offload_optimizer, offload_params
         self.nvme_path, self.pin_memory = nvme_path, pin_memory
         if self.engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
@@ -271,6 +291,8 @@ class ShardStrategy(ParallelStrategy):
     def setup(self, trainer: L.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self.stage == "auto":
+            self._choose_stage(trainer)
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
         if self.engine_name == "deepspeed":
@@ -300,6 +322,26 @@ class ShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _choose_stage(self, trainer: L.Trainer) -> None:
+        from lightning_shard import _auto_stage
+
+        policy = self.activation_checkpointing.policy if self.activation_checkpointing is not None else None
+        stage, chosen_policy = _auto_stage.choose(
+            self.lightning_module,
+            trainer,
+            self.root_device,
+            self.world_size,
+            self.num_processes,
+            self.precision_plugin.precision,
+            self.device_memory,
+            policy,
+            self.offload_optimizer,
+            self.offload_params,
+        )
+        self.stage = stage
+        if chosen_policy is not None:
+            self.activation_checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
 
     def _setup_deepspeed(self, trainer: L.Trainer) -> None:
         self.precision_plugin.engine_managed = True

@@ -120,3 +120,14 @@ def test_nothing_to_shard_fails():
     model = tiny_gpt().requires_grad_(False)
     with pytest.raises(ValueError, match=r"stage=3\) found no trainable parameters in GPTModule"):
         FSDPEngine(3, mesh=None, precision=ShardPrecision()).wrap(model)
+
+
+def test_auto_stage_flags():
+    assert ShardStrategy(stage="auto", device_memory="16GB").stage == "auto"
+    assert ShardStrategy(stage="auto", offload_params="cpu", offload_optimizer="cpu").stage == 3
+    with pytest.raises(
+        ValueError, match=r"device_memory='16GB'\) is only used with stage='auto' \(got stage=2\)"
+    ):
+        ShardStrategy(stage=2, device_memory="16GB")
+    with pytest.raises(ValueError, match=r"device_memory.*unknown unit"):
+        ShardStrategy(stage="auto", device_memory="16XB")

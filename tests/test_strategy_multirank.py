@@ -200,4 +200,33 @@ def test_activation_checkpointing_flag_at_stage_3_matches_no_checkpointing():
     for policy in ("full", "selective"):
         torch.testing.assert_close(results[policy][0], losses, rtol=1e-6, atol=0, msg=policy)
         for name, tensor in weights.items():
-            torch.testing.assert_close(results[policy][1][name], tensor, rtol=1e-6, atol=1e-6, msg=f"{policy} {name}")
+            torch.testing.assert_close(
+                results[policy][1][name], tensor, rtol=1e-6, atol=1e-6, msg=f"{policy} {name}"
+            )
+
+
+def _fit_auto(memories: list[int]) -> list[tuple[int, str | None]]:
+    out = []
+    for memory in memories:
+        trainer = L.Trainer(
+            devices=2,
+            strategy=ShardStrategy(stage="auto", device_memory=memory),
+            **trainer_kwargs(max_steps=2),
+        )
+        trainer.fit(tiny_gpt(), loader(4))
+        ac = trainer.strategy.activation_checkpointing
+        out.append((trainer.strategy.stage, ac.policy if ac is not None else None))
+    return out
+
+
+def test_auto_stage_follows_the_memory_limit():
+    from lightning_shard import planner
+
+    plan = planner.choose_stage(tiny_gpt(), 2, 1 << 40, "32-true", 4, 16, activation_checkpointing="full")
+    totals = {row.config.stage: row.total for row in plan.stages}
+    assert totals[3] < totals[0]
+    # Room for stage 3, but not for stage 0 even with full recompute: the planner must go up in stage.
+    tight = int(totals[3] / 0.9) + 1
+    results = run_ranks(_fit_auto, [1 << 40, tight])[0]
+    assert results[0] == (0, None)
+    assert results[1][0] > 0, results

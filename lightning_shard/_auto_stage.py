@@ -1,0 +1,91 @@
+"""``ShardStrategy(stage="auto")``: run the planner on the real model, batch, precision and memory.
+
+Picks the lowest stage (then the least recomputation) whose planned per-device bytes fit the
+device memory with a safety margin. Offload flags the user set stay as they are: they choose the
+engine, which is fixed when the strategy is built. The choice and the table behind it are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def batch_shape(trainer: L.Trainer) -> tuple[int | None, int | None]:
+    """(micro-batch, sequence length) from the first batch of the training data, if it has tokens."""
+    try:
+        source = trainer.fit_loop._data_source
+        dataloader = source.dataloader() if source.is_defined() else None
+        batch = next(iter(dataloader)) if dataloader is not None else None
+    except (StopIteration, TypeError, AttributeError):
+        return None, None
+    for tensor in _tensors(batch):
+        if tensor.dim() >= 2:
+            return int(tensor.shape[0]), int(tensor.shape[1])
+        if tensor.dim() == 1:
+            return int(tensor.shape[0]), None
+    return None, None
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def choose(
+    module: nn.Module,
+    trainer: L.Trainer,
+    device: torch.device,
+    world_size: int,
+    local_world_size: int,
+    precision: str,
+    device_memory: int | str | None,
+    activation_checkpointing: str | None,
+    offload_optimizer: str | None,
+    offload_params: str | None,
+) -> tuple[int, str | None]:
+    """Return (stage, activation checkpointing policy or None) for ``stage="auto"``."""
+    from lightning_shard import planner
+    from lightning_shard._plan_units import parse_size
+
+    memory = (
+        parse_size(device_memory, "ShardStrategy(device_memory)")
+        if device_memory is not None
+        else planner.available_device_memory(device, local_world_size)
+    )
+    micro_batch, seq_len = batch_shape(trainer)
+    plan = planner.choose_stage(
+        module,
+        world_size,
+        memory,
+        precision,
+        micro_batch,
+        seq_len,
+        activation_checkpointing=activation_checkpointing or "auto",
+        offload_optimizer=offload_optimizer or "none",
+        offload_params=offload_params or "none",
+    )
+    kwargs = plan.strategy_kwargs()
+    stage = int(kwargs["stage"])
+    policy = kwargs.get("activation_checkpointing")
+    choice = f"ShardStrategy(stage='auto') chose stage={stage}" + (
+        f", activation_checkpointing={policy!r}" if policy else ""
+    )
+    rank_zero_info(f"{choice} for {memory / 2**30:.2f} GiB per device:\n{plan.table()}")
+    if not plan.fits:
+        rank_zero_warn(
+            f"{choice}, but even that is planned not to fit in {memory / 2**30:.2f} GiB per device."
+        )
+    return stage, (policy if activation_checkpointing is None else None)
