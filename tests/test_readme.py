@@ -95,3 +95,13 @@ def test_every_stage_config_parses():
             args=["--config", str(ROOT / f"configs/zero{stage}.yaml"), "--trainer.logger=false"],
         )
         assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.stage == stage
+
+
+def test_plan_commands_in_readme_run(capsys):
+    from lightning_shard.cli import main
+
+    lines = [line for line in README.splitlines() if line.startswith("lightning-shard plan")]
+    assert lines
+    for line in lines:
+        assert main(shlex.split(line)[1:]) == 0
+        assert "ShardStrategy(" in capsys.readouterr().out
