@@ -89,3 +89,25 @@ def choose(
             f"{choice}, but even that is planned not to fit in {memory / 2**30:.2f} GiB per device."
         )
     return stage, (policy if activation_checkpointing is None else None)
+
+
+def apply(strategy: Any, trainer: L.Trainer) -> None:
+    """Resolve ``stage="auto"`` on ``strategy`` (and the recompute policy, if the user left it open)."""
+    from lightning_shard.activation_checkpointing import ActivationCheckpointing
+
+    config = strategy.activation_checkpointing
+    stage, chosen_policy = choose(
+        strategy.lightning_module,
+        trainer,
+        strategy.root_device,
+        strategy.world_size,
+        strategy.num_processes,
+        strategy.precision_plugin.precision,
+        strategy.device_memory,
+        config.policy if config is not None else None,
+        strategy.offload_optimizer,
+        strategy.offload_params,
+    )
+    strategy.stage = stage
+    if chosen_policy is not None:
+        strategy.activation_checkpointing = ActivationCheckpointing.from_flag(chosen_policy)

@@ -89,6 +89,38 @@ def read_meta(path: Path) -> dict[str, Any]:
     return torch.load(path / META_FILENAME, weights_only=False, map_location="cpu")
 
 
+def load_sharded_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
+    """Load a sharded checkpoint into this rank's (any stage, any world size) layout; return Lightning's meta."""
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"{str(path)!r} is not a complete sharded checkpoint (missing .metadata or {META_FILENAME})."
+            " Resume from a checkpoint whose save finished."
+        )
+    meta = read_metadata(path)
+    target: dict[str, Any] = {MODEL_KEY: engine.model_state_dict(model, full=False)}
+    for i, optimizer in enumerate(optimizers):
+        key = optimizer_key(i)
+        if any(k.startswith(key + ".") for k in meta.state_dict_metadata):
+            target[key] = engine.optimizer_load_target(model, optimizer, meta, key)
+    load_sharded(path, target)
+    engine.load_model_state_dict(model, target[MODEL_KEY], full=False)
+    for i, optimizer in enumerate(optimizers):
+        if optimizer_key(i) in target:
+            engine.load_optimizer_state_dict(model, optimizer, target[optimizer_key(i)], full=False)
+    return read_meta(path)
+
+
+def load_full_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
+    """Load a one-file checkpoint (``checkpoint="full"``) into this rank's layout; return it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    engine.load_model_state_dict(model, checkpoint["state_dict"], full=True)
+    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        engine.load_optimizer_state_dict(model, optimizer, state, full=True)
+    return checkpoint
+
+
 def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full model state dict of a checkpoint (sharded directory or single file), in this process.
 

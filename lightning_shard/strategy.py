@@ -7,7 +7,6 @@ starts, and delegates sharding, state dicts and gradient sync to one engine
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -37,12 +36,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard import _auto_stage, _flags
 from lightning_shard import checkpoint as ckpt
-from lightning_shard import offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard._optim import rebind_scheduler
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.async_checkpoint import AsyncCheckpointer, new_checkpoint_group
-from lightning_shard.engines.deepspeed import DeepSpeedEngine
+from lightning_shard.engines.deepspeed import DeepSpeedEngine, setup_deepspeed
 from lightning_shard.engines.fsdp import FSDPEngine
 from lightning_shard.memory import model_state_bytes
 from lightning_shard.nonfinite import NonFiniteGuard
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 Engine = Literal["auto", "fsdp", "deepspeed"]
 CheckpointMode = Literal["sharded", "full"]
-_STAGES = (0, 1, 2, 3)
 
 
 class ShardStrategy(ParallelStrategy):
@@ -115,63 +114,24 @@ class ShardStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if stage != "auto" and (isinstance(stage, bool) or stage not in _STAGES):
-            raise ValueError(
-                f"ShardStrategy(stage={stage!r}) is not a ZeRO stage. Use 0 (DDP), 1 (optimizer state sharded),"
-                " 2 (+ gradients), 3 (+ parameters), or 'auto' (planned from the model and device memory)."
-            )
-        if engine not in ("auto", "fsdp", "deepspeed"):
-            raise ValueError(
-                f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'."
-            )
-        if checkpoint not in ("sharded", "full"):
-            raise ValueError(
-                f"ShardStrategy(checkpoint={checkpoint!r}) is unknown. Use 'sharded' (one shard per rank, a directory)"
-                " or 'full' (one file readable with torch.load)."
-            )
-        if async_checkpoint and checkpoint != "sharded":
-            raise ValueError(
-                f"ShardStrategy(async_checkpoint=True) needs checkpoint='sharded' (got checkpoint={checkpoint!r}):"
-                " a single full file is gathered on one rank and cannot be written in the background per shard."
-                " Use checkpoint='sharded' or async_checkpoint=False."
-            )
-        if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 1:
-            raise ValueError(
-                f"ShardStrategy(max_skipped={max_skipped!r}) must be an integer >= 1: the number of consecutive"
-                " non-finite steps to skip before stopping."
-            )
+        self.stage, self.engine_name = _flags.validate(
+            stage,
+            engine,
+            checkpoint,
+            offload_optimizer,
+            offload_params,
+            nvme_path,
+            device_memory,
+            async_checkpoint,
+            skip_nonfinite,
+            max_skipped,
+        )
         self.activation_checkpointing = ActivationCheckpointing.from_flag(
             activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
-        self.stage = stage
-        # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
-        self.engine_name = offload.validate(
-            3 if stage == "auto" else stage, offload_optimizer, offload_params, nvme_path, engine
-        )
-        if stage == "auto" and offload_params is not None:
-            self.stage = stage = 3  # parameter offload exists only at stage 3: nothing left to choose
-        if device_memory is not None:
-            if stage != "auto":
-                raise ValueError(
-                    f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
-                    " Drop device_memory or set stage='auto'."
-                )
-            from lightning_shard._plan_units import parse_size
-
-            parse_size(
-                device_memory, "ShardStrategy(device_memory)"
-            )  # bad units fail here, before any process
         self.device_memory = device_memory
         self.offload_optimizer, self.offload_params = offload_optimizer, offload_params
         self.nvme_path, self.pin_memory = nvme_path, pin_memory
-        if self.engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
-            flag = "async_checkpoint=True" if async_checkpoint else "skip_nonfinite=True"
-            raise ValueError(
-                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for"
-                f" engine={engine!r}, offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r})."
-                " DeepSpeed writes its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine"
-                " for this flag."
-            )
         self._ds: DeepSpeedEngine | None = None
         self.async_checkpoint = async_checkpoint
         self._async: AsyncCheckpointer | None = None
@@ -292,24 +252,20 @@ class ShardStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self.stage == "auto":
-            self._choose_stage(trainer)
+            _auto_stage.apply(self, trainer)
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
         if self.engine_name == "deepspeed":
-            self._setup_deepspeed(trainer)
+            self._ds = setup_deepspeed(self, trainer)
             return
         self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
-        offload_policy = None
-        if self.offload_params == "cpu":
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
-            offload_policy = CPUOffloadPolicy(
-                pin_memory=bool(
-                    self.pin_memory if self.pin_memory is not None else self.root_device.type == "cuda"
-                )
-            )
         self._engine = FSDPEngine(
-            self.stage, self.device_mesh, self.precision_plugin, self._shard_modules, offload_policy
+            self.stage,
+            self.device_mesh,
+            self.precision_plugin,
+            self._shard_modules,
+            cpu_offload=self.offload_params == "cpu",
+            pin_memory=self.pin_memory,
         )
         module = self.precision_plugin.convert_module(self.model)
         if self.stage < 2:
@@ -322,58 +278,6 @@ class ShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _choose_stage(self, trainer: L.Trainer) -> None:
-        from lightning_shard import _auto_stage
-
-        policy = self.activation_checkpointing.policy if self.activation_checkpointing is not None else None
-        stage, chosen_policy = _auto_stage.choose(
-            self.lightning_module,
-            trainer,
-            self.root_device,
-            self.world_size,
-            self.num_processes,
-            self.precision_plugin.precision,
-            self.device_memory,
-            policy,
-            self.offload_optimizer,
-            self.offload_params,
-        )
-        self.stage = stage
-        if chosen_policy is not None:
-            self.activation_checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
-
-    def _setup_deepspeed(self, trainer: L.Trainer) -> None:
-        self.precision_plugin.engine_managed = True
-        self._ds = DeepSpeedEngine(
-            self.stage,
-            self.precision_plugin,
-            self.offload_optimizer,
-            self.offload_params,
-            self.nvme_path,
-            self.pin_memory,
-            self.global_rank,
-        )
-        config = self._ds.config(
-            trainer.accumulate_grad_batches,
-            trainer.gradient_clip_val,
-            trainer.gradient_clip_algorithm,
-            self.root_device,
-        )
-        if trainer.state.fn != TrainerFn.FITTING:
-            self.model.to(self.root_device)
-            return
-        self._reset_optimizers_and_schedulers()
-        ParallelStrategy.setup_optimizers(self, trainer)
-        assert self._process_group_backend is not None
-        engine, ds_optimizer, client_optimizer = self._ds.initialize(
-            self.model, self.optimizers, config, self._process_group_backend
-        )
-        for config_ in self.lr_scheduler_configs:
-            if getattr(config_.scheduler, "optimizer", None) is not client_optimizer:
-                _rebind_scheduler(config_.scheduler, client_optimizer)
-        self.model = engine
-        self.optimizers = [ds_optimizer]
 
     @property
     @override
@@ -403,7 +307,7 @@ class ShardStrategy(ParallelStrategy):
         for old, new in zip(originals, wrapped, strict=True):
             for config in self.lr_scheduler_configs:
                 if getattr(config.scheduler, "optimizer", None) is old:
-                    _rebind_scheduler(config.scheduler, new)
+                    rebind_scheduler(config.scheduler, new)
         self.optimizers = wrapped
 
     @override
@@ -456,24 +360,9 @@ class ShardStrategy(ParallelStrategy):
         check_grads = self.precision_plugin.scaler is None
         if self._guard.should_skip(result, params, self.root_device, check_grads):
             optimizer.zero_grad(set_to_none=True)
-            self._report_skip()
+            self._guard.report(self.lightning_module.trainer, self.is_global_zero)
             return None
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-
-    def _report_skip(self) -> None:
-        assert self._guard is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        log.warning(
-            "ShardStrategy: non-finite loss or gradient at step %d; skipped the optimizer step on all ranks"
-            " (%d skipped so far).",
-            trainer.global_step,
-            self._guard.total,
-        )
-        if self.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {"shard/skipped_steps": float(self._guard.total)}, step=trainer.global_step
-                )
 
     def state_bytes(self) -> dict[str, Any]:
         """This rank's bytes of model state; with DeepSpeed, split by where they live (accelerator/host/nvme)."""
@@ -572,17 +461,7 @@ class ShardStrategy(ParallelStrategy):
             )
         path = Path(self.broadcast(str(filepath)))
         if self._ds is not None:
-            checkpoint.pop("state_dict", None)
-            checkpoint.pop("optimizer_states", None)
-            tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
-            if self.is_global_zero:
-                ckpt._remove(tmp)
-            self.barrier()
-            DeepSpeedEngine.save(self.model, tmp, checkpoint)
-            self.barrier()
-            if self.is_global_zero:
-                ckpt.commit(tmp, path)
-            self.barrier()
+            DeepSpeedEngine.save_committed(self.model, path, checkpoint, self.is_global_zero, self.barrier)
             return
         if not self._full:
             state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
@@ -613,53 +492,5 @@ class ShardStrategy(ParallelStrategy):
         if self._ds is not None:
             return DeepSpeedEngine.load(self.model, path)
         if path.is_dir():
-            return self._load_sharded(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        self.engine.load_model_state_dict(self.model, checkpoint["state_dict"], full=True)
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
-            self.engine.load_optimizer_state_dict(self.model, optimizer, state, full=True)
-        return checkpoint
-
-    def _load_sharded(self, path: Path) -> dict[str, Any]:
-        if not ckpt.is_sharded_checkpoint(path):
-            raise ValueError(
-                f"{str(path)!r} is not a complete sharded checkpoint (missing .metadata or {ckpt.META_FILENAME})."
-                " Resume from a checkpoint whose save finished."
-            )
-        assert self.model is not None
-        meta = ckpt.read_metadata(path)
-        target: dict[str, Any] = {ckpt.MODEL_KEY: self.engine.model_state_dict(self.model, full=False)}
-        for i, optimizer in enumerate(self.optimizers):
-            key = ckpt.optimizer_key(i)
-            if any(k.startswith(key + ".") for k in meta.state_dict_metadata):
-                target[key] = self.engine.optimizer_load_target(self.model, optimizer, meta, key)
-        ckpt.load_sharded(path, target)
-        self.engine.load_model_state_dict(self.model, target[ckpt.MODEL_KEY], full=False)
-        for i, optimizer in enumerate(self.optimizers):
-            if ckpt.optimizer_key(i) in target:
-                self.engine.load_optimizer_state_dict(
-                    self.model, optimizer, target[ckpt.optimizer_key(i)], full=False
-                )
-        return ckpt.read_meta(path)
-
-
-def _rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
-    """Point an LR scheduler at a replacement optimizer, with the step tracking torch's schedulers expect.
-
-    Without the tracking, torch warns that ``optimizer.step()`` was overridden and cannot tell
-    whether the scheduler steps after the optimizer.
-    """
-    scheduler.optimizer = optimizer
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    @functools.wraps(step)
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]
+            return ckpt.load_sharded_into(self.engine, self.model, self.optimizers, path)
+        return ckpt.load_full_into(self.engine, self.model, self.optimizers, path)

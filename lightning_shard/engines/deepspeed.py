@@ -158,6 +158,25 @@ class DeepSpeedEngine:
         engine.save_checkpoint(str(tmp), tag=TAG, client_state=client_state)
 
     @staticmethod
+    def save_committed(
+        engine: Any, path: Path, checkpoint: dict[str, Any], is_rank0: bool, barrier: Any
+    ) -> None:
+        """DeepSpeed's per-rank checkpoint, written under ``NAME.tmp`` and renamed once every rank is done."""
+        from lightning_shard import checkpoint as ckpt
+
+        checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
+        checkpoint.pop("optimizer_states", None)
+        tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
+        if is_rank0:
+            ckpt._remove(tmp)
+        barrier()
+        engine.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)
+        barrier()
+        if is_rank0:
+            ckpt.commit(tmp, path)
+        barrier()
+
+    @staticmethod
     def load(engine: Any, path: Path) -> dict[str, Any]:
         load_path, client_state = engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False)
         if load_path is None:
@@ -225,3 +244,42 @@ def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path
             lock.unlink(missing_ok=True)
             removed.append(lock)
     return removed
+
+
+def setup_deepspeed(strategy: Any, trainer: Any) -> DeepSpeedEngine:
+    """ShardStrategy.setup for the DeepSpeed engine: optimizers from the module, then ``deepspeed.initialize``."""
+    from lightning.pytorch.strategies.parallel import ParallelStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_shard._optim import rebind_scheduler
+
+    strategy.precision_plugin.engine_managed = True
+    ds = DeepSpeedEngine(
+        strategy.stage,
+        strategy.precision_plugin,
+        strategy.offload_optimizer,
+        strategy.offload_params,
+        strategy.nvme_path,
+        strategy.pin_memory,
+        strategy.global_rank,
+    )
+    config = ds.config(
+        trainer.accumulate_grad_batches,
+        trainer.gradient_clip_val,
+        trainer.gradient_clip_algorithm,
+        strategy.root_device,
+    )
+    if trainer.state.fn != TrainerFn.FITTING:
+        strategy.model.to(strategy.root_device)
+        return ds
+    strategy._reset_optimizers_and_schedulers()
+    ParallelStrategy.setup_optimizers(strategy, trainer)  # the user's optimizer, on the unwrapped module
+    engine, ds_optimizer, client_optimizer = ds.initialize(
+        strategy.model, strategy.optimizers, config, strategy.process_group_backend
+    )
+    for scheduler_config in strategy.lr_scheduler_configs:
+        if getattr(scheduler_config.scheduler, "optimizer", None) is not client_optimizer:
+            rebind_scheduler(scheduler_config.scheduler, client_optimizer)
+    strategy.model = engine
+    strategy.optimizers = [ds_optimizer]
+    return ds

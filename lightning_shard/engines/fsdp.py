@@ -49,13 +49,15 @@ class FSDPEngine:
         mesh: Any,
         precision: ShardPrecision,
         shard_modules: tuple[type[nn.Module], ...] | None = None,
-        offload_policy: Any = None,
+        cpu_offload: bool = False,
+        pin_memory: bool | None = None,
     ) -> None:
         self.stage = stage
         self.mesh = mesh
         self.precision = precision
         self.shard_modules = shard_modules
-        self.offload_policy = offload_policy
+        self.cpu_offload = cpu_offload
+        self.pin_memory = pin_memory
         self.sharded_blocks: list[nn.Module] = []
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -69,7 +71,7 @@ class FSDPEngine:
         return self._ddp(module)
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         classes = self.shard_modules or detect_block_classes(module)
         blocks = find_blocks(module, classes) if classes else []
@@ -88,13 +90,20 @@ class FSDPEngine:
             "mesh": self.mesh,
             "reshard_after_forward": self.stage == 3,
             "mp_policy": self.precision.fsdp_mp_policy(),
-            "offload_policy": self.offload_policy or OffloadPolicy(),
+            "offload_policy": self._offload_policy(CPUOffloadPolicy, OffloadPolicy),
         }
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
         self.sharded_blocks = blocks
         return module
+
+    def _offload_policy(self, cpu_policy: Any, no_policy: Any) -> Any:
+        if not self.cpu_offload:
+            return no_policy()
+        # Pinned host memory speeds host-device copies; on a CPU-only run there are none to speed up.
+        pin = self.pin_memory if self.pin_memory is not None else self.mesh.device_type == "cuda"
+        return cpu_policy(pin_memory=bool(pin))
 
     def _ddp(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
