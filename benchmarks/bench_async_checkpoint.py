@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -60,8 +61,8 @@ class SaveEvery(L.Callback):
 
 
 def _run(mode: str, steps: int, every: int) -> dict[str, float | list[float]]:
-    directory = tempfile.mkdtemp(prefix="bench_ckpt_") if torch.distributed.get_rank() == 0 else ""
-    directory = _broadcast(directory)
+    # The same directory on both ranks (the port is unique to this run); the first save creates it.
+    directory = f"{tempfile.gettempdir()}/bench_ckpt_{os.environ['MASTER_PORT']}_{mode}"
     saver = SaveEvery(every if mode != "none" else 0, directory)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -78,17 +79,9 @@ def _run(mode: str, steps: int, every: int) -> dict[str, float | list[float]]:
     t0 = time.perf_counter()
     trainer.fit(Wide(), data)  # teardown waits for the last async save
     total = time.perf_counter() - t0
-    if torch.distributed.get_rank() == 0:
+    if trainer.is_global_zero:
         shutil.rmtree(directory, ignore_errors=True)
     return {"total_s": total, "blocked_s": saver.blocked}
-
-
-def _broadcast(obj):
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo")
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, 0)
-    return box[0]
 
 
 def _bench(rounds: int, steps: int, every: int) -> dict[str, list[dict]]:

@@ -94,7 +94,9 @@ class FSDPEngine:
         }
         for block in blocks:
             fully_shard(block, **kwargs)
-        fully_shard(module, **kwargs)
+        # The root's parameters are needed again as soon as backward starts: resharding them after
+        # forward only buys a second all-gather (FSDP2's own default for the root).
+        fully_shard(module, **{**kwargs, "reshard_after_forward": False})
         self.sharded_blocks = blocks
         return module
 
