@@ -52,9 +52,9 @@ def choose(
     local_world_size: int,
     precision: str,
     device_memory: int | str | None,
-    activation_checkpointing: str | None,
-    offload_optimizer: str | None,
-    offload_params: str | None,
+    activation_checkpointing: Any,
+    offload_optimizer: Any,
+    offload_params: Any,
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``."""
     from lightning_shard import planner

@@ -24,7 +24,7 @@ import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,8 @@ class AsyncCheckpointer:
         barrier()
         self._committed.clear()
         self._path, self._step, self._aliases = path, step, []
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.process_group)
+        # Thread mode returns a plain Future (AsyncSaveResponse only comes with async staging).
+        future = cast(Future, dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.process_group))
         self._future = future
         future.add_done_callback(lambda f: self._finish(f, tmp, path, meta))
 

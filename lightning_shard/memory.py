@@ -49,7 +49,7 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> int:
         local = _local(tensor)
         if local.device.type == "meta":
             continue
-        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        key = (int(local.untyped_storage().data_ptr()), int(local.storage_offset()))
         if key in seen and local.numel() > 0:
             continue
         seen.add(key)

@@ -173,6 +173,17 @@ class ShardStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def _lm(self) -> L.LightningModule:
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    @property
+    def _stage(self) -> int:
+        # stage="auto" is resolved at the start of setup(); everything after it sees an int.
+        assert isinstance(self.stage, int), "ShardStrategy.stage is still 'auto' before setup()"
+        return self.stage
+
+    @property
     def device_mesh(self) -> Any:
         if self._device_mesh is None:
             raise RuntimeError("ShardStrategy.device_mesh is only available once processes have started.")
@@ -243,7 +254,7 @@ class ShardStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # --- model and optimizers --------------------------------------------------------------------
 
@@ -254,13 +265,13 @@ class ShardStrategy(ParallelStrategy):
         if self.stage == "auto":
             _auto_stage.apply(self, trainer)
         if self.activation_checkpointing is not None:
-            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing)
+            apply_activation_checkpointing(self._lm, self.activation_checkpointing)
         if self.engine_name == "deepspeed":
             self._ds = setup_deepspeed(self, trainer)
             return
         self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
         self._engine = FSDPEngine(
-            self.stage,
+            self._stage,
             self.device_mesh,
             self.precision_plugin,
             self._shard_modules,
@@ -268,10 +279,10 @@ class ShardStrategy(ParallelStrategy):
             pin_memory=self.pin_memory,
         )
         module = self.precision_plugin.convert_module(self.model)
-        if self.stage < 2:
+        if self._stage < 2:
             module.to(self.root_device)
         self.model = self._engine.wrap(module)
-        _materialize_distributed_module(self.lightning_module, self.root_device)
+        _materialize_distributed_module(self._lm, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -290,10 +301,9 @@ class ShardStrategy(ParallelStrategy):
         if self.engine_name != "deepspeed":
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
-        assert self.lightning_module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
         DeepSpeedEngine.backward(self.model, closure_loss)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
 
@@ -303,6 +313,7 @@ class ShardStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         originals = list(self.optimizers)
+        assert self.model is not None
         wrapped = self.engine.wrap_optimizers(self.model, originals)
         for old, new in zip(originals, wrapped, strict=True):
             for config in self.lr_scheduler_configs:
@@ -318,12 +329,11 @@ class ShardStrategy(ParallelStrategy):
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # FSDP2's hooks sit on the root module's forward, but Lightning calls training_step:
         # route the step through forward so parameters are gathered and gradients reduced.
-        assert self.lightning_module is not None
-        if self.model is self.lightning_module and self.stage >= 2:
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-        if self.model is not self.lightning_module:
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-        return getattr(self.lightning_module, method)(*args, **kwargs)
+        module, model = self._lm, self.model
+        assert model is not None
+        if model is not module or self._stage >= 2:
+            return self._forward_redirection(model, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -349,7 +359,7 @@ class ShardStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.engine_name == "deepspeed":
             result = closure()
-            self.precision_plugin._after_closure(self.lightning_module, optimizer)
+            self.precision_plugin._after_closure(self._lm, optimizer)
             DeepSpeedEngine.step(self.model)
             return result
         if self._guard is None:
@@ -360,7 +370,7 @@ class ShardStrategy(ParallelStrategy):
         check_grads = self.precision_plugin.scaler is None
         if self._guard.should_skip(result, params, self.root_device, check_grads):
             optimizer.zero_grad(set_to_none=True)
-            self._guard.report(self.lightning_module.trainer, self.is_global_zero)
+            self._guard.report(self._lm.trainer, self.is_global_zero)
             return None
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
@@ -368,8 +378,7 @@ class ShardStrategy(ParallelStrategy):
         """This rank's bytes of model state; with DeepSpeed, split by where they live (accelerator/host/nvme)."""
         if self._ds is not None:
             return self._ds.state_bytes(self.model)
-        assert self.lightning_module is not None
-        return model_state_bytes(self.lightning_module, self.optimizers).as_dict()
+        return model_state_bytes(self._lm, self.optimizers).as_dict()
 
     @property
     def skipped_steps(self) -> int:

@@ -103,8 +103,21 @@ class DeepSpeedEngine:
             }
         return config
 
+    def _swap_bytes(self, module: nn.Module, world_size: int) -> int:
+        """This rank's bytes on NVMe: fp32 master + two Adam moments (12 B/param), fp32 parameters (4 B)."""
+        numel = sum(p.numel() for p in module.parameters()) / max(world_size, 1)
+        per_param = (12 if self.offload_optimizer == "nvme" else 0) + (
+            4 if self.offload_params == "nvme" else 0
+        )
+        return int(numel * per_param)
+
     def initialize(
-        self, module: nn.Module, optimizers: list[Optimizer], config: dict, process_backend: str
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        config: dict,
+        process_backend: str,
+        world_size: int = 1,
     ) -> tuple:
         import deepspeed
 
@@ -116,6 +129,7 @@ class DeepSpeedEngine:
         if "nvme" in (self.offload_optimizer, self.offload_params):
             assert self.nvme_path is not None
             offload.clear_swap(self.nvme_path, self.rank)  # a crashed run's leftovers
+            offload.check_nvme_path(self.nvme_path, self._swap_bytes(module, world_size))
             offload.swap_dir(self.nvme_path, self.rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=process_backend, auto_mpi_discovery=False, verbose=False)
         optimizer = self._offload_optimizer(optimizers[0])
@@ -275,7 +289,7 @@ def setup_deepspeed(strategy: Any, trainer: Any) -> DeepSpeedEngine:
     strategy._reset_optimizers_and_schedulers()
     ParallelStrategy.setup_optimizers(strategy, trainer)  # the user's optimizer, on the unwrapped module
     engine, ds_optimizer, client_optimizer = ds.initialize(
-        strategy.model, strategy.optimizers, config, strategy.process_group_backend
+        strategy.model, strategy.optimizers, config, strategy.process_group_backend, strategy.world_size
     )
     for scheduler_config in strategy.lr_scheduler_configs:
         if getattr(scheduler_config.scheduler, "optimizer", None) is not client_optimizer:
