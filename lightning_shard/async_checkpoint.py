@@ -55,6 +55,7 @@ class AsyncCheckpointer:
         self._removals: list[Path] = []
         self._error: BaseException | None = None
         self.last_committed: Path | None = None
+        self.closed = False
 
     @property
     def pending(self) -> Path | None:
@@ -106,6 +107,7 @@ class AsyncCheckpointer:
     def wait(self) -> None:
         """Block until the pending save is committed; raise its error, if any."""
         self._committed.wait()
+        self._future = None  # drop the finished write (and what it references) promptly
         error, self._error = self._error, None
         if error is not None:
             path, self._path = self._path, None
@@ -144,6 +146,18 @@ class AsyncCheckpointer:
         if alias.is_dir() and not alias.is_symlink():
             ckpt._remove(alias)
         os.replace(tmp_link, alias)
+
+    def close(self) -> None:
+        """Wait for the pending save, then release the checkpoint process group (at teardown)."""
+        try:
+            self.wait()
+        finally:
+            self.closed = True
+            group, self.process_group = self.process_group, None
+            # Destroyed explicitly, on the main thread, after the last write: a gloo group torn down
+            # at interpreter exit while its threads are still joinable aborts the process.
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
 
 
 def new_checkpoint_group() -> Any:

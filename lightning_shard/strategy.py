@@ -247,7 +247,7 @@ class ShardStrategy(ParallelStrategy):
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
         )
-        if self.async_checkpoint and self._async is None:
+        if self.async_checkpoint and (self._async is None or self._async.closed):
             self._async = AsyncCheckpointer(self.is_global_zero, new_checkpoint_group())
 
     def set_world_ranks(self) -> None:
@@ -424,7 +424,7 @@ class ShardStrategy(ParallelStrategy):
         if self._ds is not None:
             self._ds.teardown()
         if self._async is not None:
-            self._async.wait()
+            self._async.close()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
