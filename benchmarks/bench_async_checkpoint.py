@@ -11,7 +11,6 @@ as the loop sees it; throughput is the run's total wall time over its steps. Med
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -21,10 +20,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from _common import write_report  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -115,10 +115,7 @@ def main() -> None:
         "targets": {"async_blocked_over_sync": "<= 0.10", "async_saving_run_over_no_save_run": "<= 1.05"},
         "raw": raw,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=2))
+    write_report(report, args.out, {k: v for k, v in report.items() if k != "raw"})
 
 
 if __name__ == "__main__":

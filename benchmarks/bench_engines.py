@@ -10,36 +10,20 @@ Configurations run interleaved over rounds in one pair of processes; medians are
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from _common import MODEL, StepTimer, token_loader, write_report  # noqa: E402
 
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_shard import ShardStrategy  # noqa: E402
-
-MODEL = dict(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=4)
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._t0)
 
 
 def _configs(nvme_path: str) -> dict[str, dict]:
@@ -73,9 +57,7 @@ def _run(kwargs: dict, steps: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (8 * steps, 129), generator=g)
-    trainer.fit(GPTModule(**MODEL), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4))
+    trainer.fit(GPTModule(**MODEL), token_loader(steps))
     return {
         "step_s": statistics.median(timer.times[2:]),
         "rss_bytes": _rss_bytes(),
@@ -116,10 +98,7 @@ def main() -> None:
         "rank0_state_bytes": {n: runs[-1]["state"] for n, runs in raw.items()},
         "targets": {"fsdp_over_deepspeed": "<= 1.0 at each stage", "nvme_over_cpu_offload": "< 3"},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

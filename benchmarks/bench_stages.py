@@ -10,23 +10,19 @@ the JSON reports per-configuration median step times and the ratio of stage 3 to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from _common import MODEL, StepTimer, token_loader, write_report  # noqa: E402
 
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_shard import ShardStrategy  # noqa: E402
-
-MODEL = dict(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=4)
 
 
 class HandWrittenFSDP2(GPTModule):
@@ -39,23 +35,6 @@ class HandWrittenFSDP2(GPTModule):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._t0)
-
-
-def _data(steps: int) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (8 * steps, 129), generator=g)
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
 
 def _run(name: str, steps: int) -> float:
@@ -80,7 +59,7 @@ def _run(name: str, steps: int) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, _data(steps))
+    trainer.fit(module, token_loader(steps))
     return statistics.median(timer.times[2:])  # first steps warm up allocators and gloo buffers
 
 
@@ -111,10 +90,7 @@ def main() -> None:
         "stage3_over_handwritten_fsdp2": medians["stage3"] / medians["model_parallel_fsdp2"],
         "target": "stage3_over_handwritten_fsdp2 <= 1.05",
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

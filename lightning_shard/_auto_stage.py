@@ -15,6 +15,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_shard.callbacks._flops import batch_shape as batch_shape_of
+
 log = logging.getLogger(__name__)
 
 
@@ -26,22 +28,10 @@ def batch_shape(trainer: L.Trainer) -> tuple[int | None, int | None]:
         batch = next(iter(dataloader)) if dataloader is not None else None
     except (StopIteration, TypeError, AttributeError):
         return None, None
-    for tensor in _tensors(batch):
-        if tensor.dim() >= 2:
-            return int(tensor.shape[0]), int(tensor.shape[1])
-        if tensor.dim() == 1:
-            return int(tensor.shape[0]), None
-    return None, None
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(batch):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
+    if batch is None:
+        return None, None
+    samples, tokens = batch_shape_of(batch)
+    return samples, (tokens // samples if tokens else None)
 
 
 def choose(

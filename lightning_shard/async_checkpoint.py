@@ -57,10 +57,6 @@ class AsyncCheckpointer:
         self.last_committed: Path | None = None
         self.closed = False
 
-    @property
-    def pending(self) -> Path | None:
-        return self._path if not self._committed.is_set() else None
-
     def save(self, state: dict[str, Any], meta: dict[str, Any], path: Path, barrier: Any) -> None:
         """Start writing ``state`` to ``path``; returns once the state is staged in host memory."""
         step = meta.get("global_step")
@@ -76,7 +72,7 @@ class AsyncCheckpointer:
         self.wait()
         tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
         if self.is_rank0:
-            ckpt._remove(tmp)
+            ckpt.remove(tmp)
             tmp.mkdir(parents=True)
         barrier()
         self._committed.clear()
@@ -131,7 +127,7 @@ class AsyncCheckpointer:
         if path == self.last_committed or path == self._path:
             return
         try:
-            ckpt._remove(path)
+            ckpt.remove(path)
         except OSError as err:
             # A failed delete must not kill the commit thread, or later commits would never happen.
             log.warning("Could not remove old checkpoint %s: %s", path, err)
@@ -141,10 +137,10 @@ class AsyncCheckpointer:
             return
         target = self._path
         tmp_link = alias.with_name(alias.name + ".link" + ckpt.TMP_SUFFIX)
-        ckpt._remove(tmp_link)
+        ckpt.remove(tmp_link)
         os.symlink(os.path.relpath(target, alias.parent), tmp_link)
         if alias.is_dir() and not alias.is_symlink():
-            ckpt._remove(alias)
+            ckpt.remove(alias)
         os.replace(tmp_link, alias)
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ def save_sharded(
     """Write ``state`` as DCP shards plus ``meta`` under ``path``, visible only once complete."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
     if is_rank0:
-        _remove(tmp)
+        remove(tmp)
         tmp.mkdir(parents=True)
     barrier()
     dcp.save(state, checkpoint_id=str(tmp))
@@ -62,10 +62,10 @@ def commit(tmp: Path, path: Path) -> None:
     """Move a fully written checkpoint to its final name, replacing an older one of that name."""
     if path.exists() or path.is_symlink():
         old = path.with_name(path.name + ".old")
-        _remove(old)
+        remove(old)
         os.replace(path, old)
         os.replace(tmp, path)
-        _remove(old)
+        remove(old)
     else:
         os.replace(tmp, path)
 
@@ -174,7 +174,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     return out
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():

@@ -39,14 +39,15 @@ class StateBytes:
         return {**asdict(self), "total": self.total}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> int:
     total = 0
     for tensor in tensors:
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if local.device.type == "meta":
             continue
         key = (int(local.untyped_storage().data_ptr()), int(local.storage_offset()))

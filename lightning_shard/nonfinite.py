@@ -16,11 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shard.memory import local_tensor
+
 log = logging.getLogger(__name__)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class NonFiniteGuard:
@@ -36,8 +34,10 @@ class NonFiniteGuard:
     ) -> bool:
         bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
         if check_grads and not bad:
-            grads = [_local(p.grad) for p in params if p.grad is not None]
-            bad = any(not bool(torch.isfinite(g).all()) for g in grads if g.numel())
+            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            # One reduction over all gradients, so one device sync per step, not one per parameter.
+            finite = [torch.isfinite(g).all() for g in grads if g.numel()]
+            bad = bool(finite) and not bool(torch.stack(finite).all())
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -66,6 +66,8 @@ class ShardPrecision(Precision):
             )
         self.precision = precision
         self.reduce_dtype = reduce_dtype
+        # bf16-true delegates to Lightning's own plugin: built once, not per forward and per batch.
+        self._half = HalfPrecision("bf16-true") if precision == "bf16-true" else None
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
         # Set when an engine (DeepSpeed) casts weights, scales losses and clips gradients itself.
@@ -106,8 +108,8 @@ class ShardPrecision(Precision):
 
     @override
     def tensor_init_context(self) -> Any:
-        if self.precision == "bf16-true":
-            return HalfPrecision("bf16-true").tensor_init_context()
+        if self._half is not None:
+            return self._half.tensor_init_context()
         return nullcontext()
 
     @override
@@ -123,8 +125,8 @@ class ShardPrecision(Precision):
             return apply_to_collection(
                 data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t
             )
-        if self.precision == "bf16-true":
-            return HalfPrecision("bf16-true").convert_input(data)
+        if self._half is not None:
+            return self._half.convert_input(data)
         return data
 
     @override
@@ -136,8 +138,8 @@ class ShardPrecision(Precision):
             dtype = _LOW_DTYPE[self.precision]
             with torch.autocast(self.device_type, dtype=dtype, cache_enabled=False):
                 yield
-        elif self.precision == "bf16-true":
-            with HalfPrecision("bf16-true").forward_context():
+        elif self._half is not None:
+            with self._half.forward_context():
                 yield
         else:
             yield

@@ -490,7 +490,7 @@ class ShardStrategy(ParallelStrategy):
         if self._async is not None:
             self._async.remove(Path(filepath))
         elif self.is_global_zero:
-            ckpt._remove(Path(filepath))
+            ckpt.remove(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

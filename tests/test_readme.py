@@ -81,7 +81,6 @@ def test_main_job_and_consolidate(tmp_path):
 
 
 def test_every_stage_config_parses():
-    from jsonargparse import ArgumentParser  # noqa: F401  (LightningCLI's parser)
     from lightning.pytorch.cli import LightningCLI
 
     from examples.gpt import GPTModule, TextDataModule

@@ -76,8 +76,6 @@ class _SyncCounter(L.Callback):
         else:
             # FSDP2 writes reduced gradients to the sharded parameters only when it communicates.
             self.synced.append(any(p.grad is not None for p in pl_module.parameters()))
-            if self.synced[-1]:
-                return
 
 
 def _fit_clip_accumulate() -> dict[int, tuple[list[float], list[bool]]]:

@@ -109,16 +109,7 @@ def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dic
         entry = saved.get(names[p])
         if entry is None:
             continue
-        zero.optim.state[p] = {
-            k: (
-                v.to(p.device)
-                if torch.is_tensor(v) and v.dim() > 0
-                else v.clone()
-                if torch.is_tensor(v)
-                else v
-            )
-            for k, v in entry.items()
-        }
+        zero.optim.state[p] = {k: _to_param_device(v, p) for k, v in entry.items()}
     groups = state_dict["param_groups"]
     if len(groups) != len(zero.param_groups):
         raise ValueError(
@@ -127,3 +118,10 @@ def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dic
         )
     for live, loaded in zip(zero.param_groups, groups, strict=True):
         live.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+def _to_param_device(value: Any, param: nn.Parameter) -> Any:
+    # Moments follow their parameter; scalar entries (Adam's ``step``) stay where torch keeps them (CPU).
+    if not torch.is_tensor(value):
+        return value
+    return value.to(param.device) if value.dim() > 0 else value.clone()

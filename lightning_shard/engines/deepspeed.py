@@ -182,7 +182,7 @@ class DeepSpeedEngine:
         checkpoint.pop("optimizer_states", None)
         tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
         if is_rank0:
-            ckpt._remove(tmp)
+            ckpt.remove(tmp)
         barrier()
         engine.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)
         barrier()

@@ -71,7 +71,7 @@ class FSDPEngine:
         return self._ddp(module)
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         classes = self.shard_modules or detect_block_classes(module)
         blocks = find_blocks(module, classes) if classes else []
@@ -90,7 +90,7 @@ class FSDPEngine:
             "mesh": self.mesh,
             "reshard_after_forward": self.stage == 3,
             "mp_policy": self.precision.fsdp_mp_policy(),
-            "offload_policy": self._offload_policy(CPUOffloadPolicy, OffloadPolicy),
+            "offload_policy": self._offload_policy(),
         }
         for block in blocks:
             fully_shard(block, **kwargs)
@@ -100,12 +100,14 @@ class FSDPEngine:
         self.sharded_blocks = blocks
         return module
 
-    def _offload_policy(self, cpu_policy: Any, no_policy: Any) -> Any:
+    def _offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
         if not self.cpu_offload:
-            return no_policy()
+            return OffloadPolicy()
         # Pinned host memory speeds host-device copies; on a CPU-only run there are none to speed up.
         pin = self.pin_memory if self.pin_memory is not None else self.mesh.device_type == "cuda"
-        return cpu_policy(pin_memory=bool(pin))
+        return CPUOffloadPolicy(pin_memory=bool(pin))
 
     def _ddp(self, module: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel

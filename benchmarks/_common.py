@@ -1,0 +1,44 @@
+"""Pieces the benchmarks share: the GPT they time, its data, a step timer, and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+# DESIGN.md's reference shape: GPT-2 style, 6 x 256, seq 128, batch 4 per rank.
+MODEL = dict(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=4)
+
+
+def token_loader(steps: int, batch_size: int = 4, world_size: int = 2) -> DataLoader:
+    """Random tokens, enough for ``steps`` steps on each of ``world_size`` ranks."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(
+        0, MODEL["vocab_size"], (batch_size * world_size * steps, MODEL["seq_len"] + 1), generator=g
+    )
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+
+class StepTimer(L.Callback):
+    """Wall time of each training batch, from batch start to batch end."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def write_report(report: dict[str, Any], out: str, printed: dict[str, Any] | None = None) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(json.dumps(printed if printed is not None else report, indent=2))
