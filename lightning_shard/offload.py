@@ -120,9 +120,15 @@ def swap_dir(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / SWAP_DIRNAME / f"rank{rank}"
 
 
-def clear_swap(nvme_path: str, rank: int) -> None:
-    """Remove this rank's swap files (at teardown, and at start after a crashed run)."""
+def clear_swap(nvme_path: str, rank: int, remove_parent: bool = True) -> None:
+    """Remove this rank's swap files (at teardown, and at start after a crashed run).
+
+    At start, ``remove_parent=False``: another rank may be creating its directory under the shared
+    parent at that moment, and removing the (still empty) parent would pull it from under that rank.
+    """
     shutil.rmtree(swap_dir(nvme_path, rank), ignore_errors=True)
+    if not remove_parent:
+        return
     parent = Path(nvme_path) / SWAP_DIRNAME
     try:
         parent.rmdir()  # only once every rank's directory is gone

@@ -193,3 +193,13 @@ def test_nvme_registered_name(tmp_path, monkeypatch):
         strategy.offload_params,
         strategy.nvme_path,
     ) == ("deepspeed", "nvme", "nvme", str(tmp_path))
+
+
+def test_clearing_at_start_keeps_the_shared_parent(tmp_path):
+    # Another rank may be creating its own directory under the parent at that moment.
+    offload_mod.swap_dir(str(tmp_path), 0).mkdir(parents=True)
+    offload_mod.clear_swap(str(tmp_path), 0, remove_parent=False)
+    assert (tmp_path / offload_mod.SWAP_DIRNAME).is_dir()
+    offload_mod.swap_dir(str(tmp_path), 1).mkdir()  # still possible: the parent is there
+    offload_mod.clear_swap(str(tmp_path), 1)
+    assert not (tmp_path / offload_mod.SWAP_DIRNAME).exists()

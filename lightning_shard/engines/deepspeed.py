@@ -128,7 +128,7 @@ class DeepSpeedEngine:
             )
         if "nvme" in (self.offload_optimizer, self.offload_params):
             assert self.nvme_path is not None
-            offload.clear_swap(self.nvme_path, self.rank)  # a crashed run's leftovers
+            offload.clear_swap(self.nvme_path, self.rank, remove_parent=False)  # a crashed run's leftovers
             offload.check_nvme_path(self.nvme_path, self._swap_bytes(module, world_size))
             offload.swap_dir(self.nvme_path, self.rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=process_backend, auto_mpi_discovery=False, verbose=False)
