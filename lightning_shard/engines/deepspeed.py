@@ -159,7 +159,9 @@ class DeepSpeedEngine:
 
     @staticmethod
     def backward(engine: Any, loss: torch.Tensor) -> None:
-        engine.backward(loss)
+        # Lightning's loop has already divided the loss by accumulate_grad_batches; DeepSpeed would
+        # divide it again by gradient_accumulation_steps (the same number) and halve every gradient.
+        engine.backward(loss, scale_wrt_gas=False)
 
     @staticmethod
     def step(engine: Any) -> None:

@@ -1,0 +1,115 @@
+"""Gradient-scale-sensitive parity: every stage, both engines, against one process.
+
+AdamW is invariant to a constant gradient scale (a gradient 2x too big moves its losses by ~1e-6),
+so it cannot see a wrong loss normalisation or a clip at the wrong norm. Plain SGD without
+momentum at a large learning rate can: on the tiny GPT a 2x gradient moves six steps of loss by
+about 1%, far outside rtol 1e-5. Every configuration here runs with SGD; AdamW stays for the
+optimizer-state paths (ZeRO-1 partitions, sharded moments).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_shard import ShardStrategy
+from tests._dist import run_ranks
+from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
+
+pytestmark = pytest.mark.multirank
+
+STAGES = (0, 1, 2, 3)
+CLIP = 0.5
+SGD_LR = 0.5
+# (accumulate_grad_batches, gradient_clip_val): optimizer steps are fixed at 3, so accumulation 2 runs 6 batches.
+SCHEDULES = [(1, None), (1, CLIP), (2, None), (2, CLIP)]
+_HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def sgd_gpt(**overrides: Any) -> L.LightningModule:
+    """The tiny GPT trained with plain SGD (no momentum, no schedule): every update is lr x gradient."""
+    model = tiny_gpt(**overrides)
+
+    def configure_optimizers() -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=SGD_LR)
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return model
+
+
+def _model(optimizer: str) -> L.LightningModule:
+    return sgd_gpt() if optimizer == "sgd" else tiny_gpt()
+
+
+def _run(devices: int, strategy: Any, optimizer: str, accumulate: int, clip: float | None) -> list[float]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=devices,
+        strategy=strategy,
+        callbacks=[recorder],
+        **trainer_kwargs(
+            max_steps=3,
+            accumulate_grad_batches=accumulate,
+            gradient_clip_val=clip,
+            gradient_clip_algorithm="norm",
+        ),
+    )
+    trainer.fit(_model(optimizer), loader(8 // devices))
+    return recorder.losses
+
+
+def reference(optimizer: str, accumulate: int, clip: float | None) -> list[float]:
+    return _run(1, "auto", optimizer, accumulate, clip)
+
+
+def _fit_matrix(engine: str, optimizer: str, schedules: list[tuple[int, float | None]]) -> dict:
+    return {
+        (stage, accumulate, clip): _run(
+            2, ShardStrategy(stage=stage, engine=engine), optimizer, accumulate, clip
+        )
+        for stage in STAGES
+        for accumulate, clip in schedules
+    }
+
+
+def _check(results: dict, optimizer: str, engine: str) -> None:
+    refs = {}
+    for (stage, accumulate, clip), losses in results.items():
+        if (accumulate, clip) not in refs:
+            refs[accumulate, clip] = reference(optimizer, accumulate, clip)
+        expected = refs[accumulate, clip]
+        assert len(expected) == 3 * accumulate
+        torch.testing.assert_close(
+            losses,
+            expected,
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m, s=stage, a=accumulate, c=clip: (
+                f"{engine} stage {s}, {optimizer}, accumulate {a}, clip {c}: {m}"
+            ),
+        )
+
+
+ENGINES = [
+    "fsdp",
+    pytest.param(
+        "deepspeed",
+        marks=[pytest.mark.deepspeed, pytest.mark.skipif(not _HAS_DEEPSPEED, reason="needs DeepSpeed")],
+    ),
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sgd_parity_every_stage_accumulation_and_clipping(engine):
+    results = run_ranks(_fit_matrix, engine, "sgd", SCHEDULES)[0]
+    _check(results, "sgd", engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_adamw_parity_every_stage_with_accumulation_and_clipping(engine):
+    results = run_ranks(_fit_matrix, engine, "adamw", [(2, CLIP)])[0]
+    _check(results, "adamw", engine)
