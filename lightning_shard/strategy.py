@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -144,6 +145,9 @@ class ShardStrategy(ParallelStrategy):
         self._device_mesh: Any = None
         self._engine: FSDPEngine | None = None
         self.num_nodes = 1
+        # With manual optimization the backward runs inside the step, before DDP's forward returns:
+        # this keeps DDP from arming its reducer a second time after the step (FSDP2 is unaffected).
+        self._forward_redirection = _DDPForwardRedirection()
 
     # --- precision -------------------------------------------------------------------------------
 
@@ -306,6 +310,11 @@ class ShardStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._engine is not None and self.model is not None:
+            self._engine.pre_backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -499,6 +508,7 @@ class ShardStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
         if self._ds is not None:
+            ckpt.check_deepspeed_checkpoint(path)
             return DeepSpeedEngine.load(self.model, path)
         if path.is_dir():
             return ckpt.load_sharded_into(self.engine, self.model, self.optimizers, path)

@@ -71,7 +71,12 @@ class FSDPEngine:
         return self._ddp(module)
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(module, FSDPModule):
+            # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
+            # fully_shard may be applied once per module, and the shards already hold the weights.
+            return module
 
         classes = self.shard_modules or detect_block_classes(module)
         blocks = find_blocks(module, classes) if classes else []
@@ -133,6 +138,18 @@ class FSDPEngine:
         if self.stage != 1:
             return optimizers
         return [_zero.shard_optimizer(opt, self.mesh.get_group()) for opt in optimizers]
+
+    def pre_backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:
+        """Ready DDP's reducer for a backward that runs inside ``training_step`` (manual optimization).
+
+        DDP arms its reducer when its own forward returns; with manual optimization the backward runs
+        before the step (routed through that forward) has returned, so the reducer is armed here, as
+        Lightning's DDP strategy does. FSDP2 needs nothing: its hooks sit on the modules themselves.
+        """
+        if manual and self.stage < 2:
+            from lightning.pytorch.overrides.distributed import prepare_for_backward
+
+            prepare_for_backward(model, loss)  # type: ignore[arg-type]
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
