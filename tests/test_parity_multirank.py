@@ -116,3 +116,21 @@ def test_sgd_parity_every_stage_accumulation_and_clipping(engine):
 def test_adamw_parity_every_stage_with_accumulation_and_clipping(engine):
     results = run_ranks(_fit_matrix, engine, "adamw", [(2, CLIP)])[0]
     _check(results, "adamw", engine)
+
+
+def _fit_cpu_offload() -> dict:
+    strategy = {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
+    return {
+        (optimizer, accumulate, clip): _run(2, ShardStrategy(**strategy), optimizer, accumulate, clip)
+        for optimizer in ("sgd", "adamw")
+        for accumulate, clip in [(1, None), (2, CLIP)]
+    }
+
+
+def test_fsdp_cpu_offload_parity():
+    for (optimizer, accumulate, clip), losses in run_ranks(_fit_cpu_offload)[0].items():
+        expected = reference(optimizer, accumulate, clip)
+        assert len(losses) == len(expected) == 3 * accumulate
+        torch.testing.assert_close(
+            losses, expected, rtol=1e-5, atol=0, msg=lambda m, o=optimizer: f"cpu offload {o}: {m}"
+        )
