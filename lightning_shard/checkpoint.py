@@ -14,6 +14,7 @@ half-written checkpoint under a final name.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_shard import _checkpoint_errors as errors
+from lightning_shard._checkpoint_errors import CheckpointLoadError
 
 META_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -90,34 +94,105 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def load_sharded_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
-    """Load a sharded checkpoint into this rank's (any stage, any world size) layout; return Lightning's meta."""
-    if not is_sharded_checkpoint(path):
-        raise ValueError(
-            f"{str(path)!r} is not a complete sharded checkpoint (missing .metadata or {META_FILENAME})."
-            " Resume from a checkpoint whose save finished."
+    """Load a sharded checkpoint into this rank's (any stage, any world size) layout; return Lightning's meta.
+
+    Every check that can fail runs before DCP reads a byte, and every rank raises if any rank fails
+    (:func:`lightning_shard._checkpoint_errors.on_every_rank`).
+    """
+    meta, target = errors.on_every_rank(path, lambda: _sharded_target(engine, model, optimizers, path))
+
+    def apply() -> None:
+        try:
+            load_sharded(path, target)
+        except (Exception, errors.CheckpointException) as err:
+            raise CheckpointLoadError(
+                f"Reading checkpoint {str(path)!r} failed: {errors.summary(err)}. Its files passed the checks"
+                " made before reading; check that every rank can read the checkpoint directory, or resume"
+                " from another checkpoint."
+            ) from err
+        engine.load_model_state_dict(model, target[MODEL_KEY], full=False)
+        for i, optimizer in enumerate(optimizers):
+            if optimizer_key(i) in target:
+                engine.load_optimizer_state_dict(model, optimizer, target[optimizer_key(i)], full=False)
+
+    errors.on_every_rank(path, apply)
+    return meta
+
+
+def _sharded_target(
+    engine: Any, model: Any, optimizers: list[Any], path: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's meta and this rank's empty load target, once the checkpoint is known to fit it."""
+    if is_deepspeed_checkpoint(path):
+        raise errors.wrong_engine(
+            path,
+            "a DeepSpeed checkpoint (per-rank ZeRO partitions under checkpoint/)",
+            "fsdp",
+            "Resume it with ShardStrategy(engine='deepspeed') on the world size it was saved on, or turn it into"
+            f" plain weights with `lightning-shard consolidate {shlex.quote(str(path))} model.pt`, load those with"
+            " model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
         )
-    meta = read_metadata(path)
+    if not is_sharded_checkpoint(path):
+        missing = [name for name in (".metadata", META_FILENAME) if not (path / name).is_file()]
+        raise CheckpointLoadError(
+            f"{str(path)!r} is not a complete sharded checkpoint (missing {' and '.join(missing)}): its save"
+            " never finished, or it is not a checkpoint. Resume from a checkpoint whose save finished."
+        )
+    try:
+        metadata = read_metadata(path)
+    except Exception as err:  # noqa: BLE001  (any unreadable .metadata is the same fault to the user)
+        raise errors.unreadable(path, ".metadata", err) from err
+    errors.check_files(path, metadata)
+    try:
+        meta = read_meta(path)
+    except Exception as err:  # noqa: BLE001
+        raise errors.unreadable(path, META_FILENAME, err) from err
     target: dict[str, Any] = {MODEL_KEY: engine.model_state_dict(model, full=False)}
     for i, optimizer in enumerate(optimizers):
         key = optimizer_key(i)
-        if any(k.startswith(key + ".") for k in meta.state_dict_metadata):
-            target[key] = engine.optimizer_load_target(model, optimizer, meta, key)
-    load_sharded(path, target)
-    engine.load_model_state_dict(model, target[MODEL_KEY], full=False)
-    for i, optimizer in enumerate(optimizers):
-        if optimizer_key(i) in target:
-            engine.load_optimizer_state_dict(model, optimizer, target[optimizer_key(i)], full=False)
-    return read_meta(path)
+        if any(k.startswith(key + ".") for k in metadata.state_dict_metadata):
+            target[key] = engine.optimizer_load_target(model, optimizer, metadata, key)
+    saved, wanted = errors.saved_shapes(metadata), errors.target_shapes(target)
+    fix = errors.model_fix(meta.get("hyper_parameters"), model)
+    errors.check_state(path, saved, wanted, MODEL_KEY + ".", "model", strict=True, fix=fix)
+    for key in sorted(target.keys() - {MODEL_KEY}):
+        errors.check_state(path, saved, wanted, key + ".", f"optimizer ({key})", False, errors.OPTIMIZER_FIX)
+    return meta, target
 
 
 def load_full_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
     """Load a one-file checkpoint (``checkpoint="full"``) into this rank's layout; return it."""
+    checkpoint = errors.on_every_rank(path, lambda: _read_full(engine, model, path))
+
+    def apply() -> None:
+        engine.load_model_state_dict(model, checkpoint[MODEL_KEY], full=True)
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            engine.load_optimizer_state_dict(model, optimizer, state, full=True)
+
+    errors.on_every_rank(path, apply)
+    return checkpoint
+
+
+def _read_full(engine: Any, model: Any, path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    engine.load_model_state_dict(model, checkpoint["state_dict"], full=True)
-    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
-        engine.load_optimizer_state_dict(model, optimizer, state, full=True)
+        raise FileNotFoundError(
+            f"Checkpoint {str(path)!r} does not exist. Check the path given as ckpt_path, or pass"
+            " ckpt_path='last' to resume from the newest checkpoint ModelCheckpoint saved."
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001  (a cut-short zip fails in several ways, all the same fault)
+        raise errors.unreadable(path, "the file", err) from err
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(MODEL_KEY), dict):
+        raise CheckpointLoadError(
+            f"{str(path)!r} is not a Lightning training checkpoint (no {MODEL_KEY!r} entry): a plain state dict,"
+            " such as `lightning-shard consolidate` writes, holds weights only. Load it with"
+            " model.load_state_dict(torch.load(path)) before fit and fit without ckpt_path."
+        )
+    saved = {k: tuple(v.size()) if torch.is_tensor(v) else None for k, v in checkpoint[MODEL_KEY].items()}
+    wanted = errors.target_shapes(engine.model_state_dict(model, full=False))
+    fix = errors.model_fix(checkpoint.get("hyper_parameters"), model)
+    errors.check_state(path, saved, wanted, "", "model", strict=True, fix=fix)
     return checkpoint
 
 
@@ -156,6 +231,30 @@ def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
     """A directory written by the DeepSpeed engine (``DeepSpeedEngine.save_checkpoint``)."""
     tag_dir = Path(path) / DEEPSPEED_TAG
     return tag_dir.is_dir() and any(tag_dir.glob("*mp_rank_00_model_states.pt"))
+
+
+def check_deepspeed_checkpoint(path: Path) -> None:
+    """Before DeepSpeed reads ``path``: refuse, on every rank and with the fix, a checkpoint the FSDP engine wrote."""
+    errors.on_every_rank(path, lambda: _refuse_fsdp_checkpoint(path))
+
+
+def _refuse_fsdp_checkpoint(path: Path) -> None:
+    if is_deepspeed_checkpoint(path) or not path.exists():
+        return
+    if path.is_file():
+        kind = "a one-file checkpoint (ShardStrategy(checkpoint='full'))"
+    elif (path / ".metadata").is_file():
+        kind = "a sharded DCP checkpoint of the FSDP engine"
+    else:
+        return  # neither kind: DeepSpeed's own "no checkpoint" error says so
+    raise errors.wrong_engine(
+        path,
+        kind,
+        "deepspeed",
+        "Resume it with ShardStrategy(engine='fsdp') (any world size, any stage), or start engine='deepspeed'"
+        f" from its weights: `lightning-shard consolidate {shlex.quote(str(path))} model.pt`, then"
+        " model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
+    )
 
 
 def _deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
