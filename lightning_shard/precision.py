@@ -53,7 +53,8 @@ class ShardPrecision(Precision):
     Args:
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``.
         reduce_dtype: dtype gradients are reduced in across ranks (FSDP2 ``MixedPrecisionPolicy.reduce_dtype``
-            at stages 2-3; a DDP compression hook at stages 0-1). Default: fp32 in mixed modes.
+            at stages 2-3; a DDP compression hook at stages 0-1; DeepSpeed's ``communication_data_type``).
+            Default: fp32 in mixed modes.
     """
 
     def __init__(self, precision: PrecisionStr = "32-true", reduce_dtype: torch.dtype | None = None) -> None:

@@ -9,8 +9,10 @@ slow path DeepSpeed warns about).
 
 Precision: ``32-true`` (no mixed precision), ``bf16-mixed`` (DeepSpeed ``bf16``: bf16 weights for
 compute, fp32 master weights in the optimizer), ``16-mixed`` (DeepSpeed ``fp16`` with dynamic loss
-scaling, all ranks agreeing on overflow). Gradient clipping (norm) and accumulation are done by
-DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients on every micro-batch.
+scaling, all ranks agreeing on overflow; ZeRO stage 1 or higher). In mixed modes gradients are
+reduced across ranks in ``ShardPrecision.reduce_dtype`` (fp32 unless set), as with the FSDP engine:
+DeepSpeed's own default would reduce them in bf16/fp16. Gradient clipping (norm) and accumulation are
+done by DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients on every micro-batch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lightning_shard.precision import ShardPrecision
 log = logging.getLogger(__name__)
 TAG = DEEPSPEED_TAG
 _STALE_LOCK_SECONDS = 30 * 60
+_COMM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class DeepSpeedEngine:
@@ -50,6 +53,20 @@ class DeepSpeedEngine:
             raise ValueError(
                 "ShardStrategy(engine='deepspeed') cannot run precision='bf16-true': DeepSpeed always keeps fp32 master"
                 " weights. Use 'bf16-mixed', or engine='fsdp' for bf16-true."
+            )
+        if precision.precision == "16-mixed" and stage == 0:
+            # DeepSpeed's fp16 optimizer without ZeRO divides every gradient by the loss scale in step(),
+            # but engine.backward() only scales the loss for ZeRO optimizers: each update comes out
+            # 65536x too small and the weights never move (DeepSpeed 0.19; deepspeedai/DeepSpeed#8393).
+            raise ValueError(
+                "ShardStrategy(stage=0, engine='deepspeed') cannot run precision='16-mixed': without ZeRO,"
+                " DeepSpeed unscales fp16 gradients that its backward never scaled, so training stalls."
+                " Use stage=1 or higher, precision='bf16-mixed', or engine='fsdp' for stage 0."
+            )
+        if precision.reduce_dtype is not None and precision.reduce_dtype not in _COMM_DTYPES:
+            raise ValueError(
+                f"ShardPrecision(reduce_dtype={precision.reduce_dtype}) is not available with engine='deepspeed',"
+                " which reduces gradients in torch.float32, torch.bfloat16 or torch.float16. Use one of those."
             )
         self.stage = stage
         self.precision = precision
@@ -94,6 +111,9 @@ class DeepSpeedEngine:
             config["bf16"] = {"enabled": True}
         elif self.precision.precision == "16-mixed":
             config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        reduce_dtype = self.precision.reduce_dtype or (torch.float32 if self.precision.is_mixed else None)
+        if reduce_dtype is not None:
+            config["communication_data_type"] = _COMM_DTYPES[reduce_dtype]
         if "nvme" in (self.offload_optimizer, self.offload_params):
             config["aio"] = {
                 "block_size": 1 << 20,
