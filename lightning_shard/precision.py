@@ -73,6 +73,7 @@ class ShardPrecision(Precision):
         self.scaler: torch.amp.GradScaler | None = None
         # Set when an engine (DeepSpeed) casts weights, scales losses and clips gradients itself.
         self.engine_managed = False
+        self.engine_clip_val: float | None = None  # the clip value the engine applies itself
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -181,6 +182,16 @@ class ShardPrecision(Precision):
         gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
     ) -> None:
         if self.engine_managed:
+            if clip_val and clip_val != self.engine_clip_val:
+                # Only self.clip_gradients() in manual optimization gets here with its own value: the
+                # engine clips inside its step, at the Trainer's gradient_clip_val, which Lightning
+                # does not allow with manual optimization.
+                raise ValueError(
+                    f"self.clip_gradients(gradient_clip_val={clip_val}) is not available with"
+                    " ShardStrategy(engine='deepspeed'), which clips inside its optimizer step from"
+                    " Trainer(gradient_clip_val=...) only (not allowed with manual optimization)."
+                    " Use engine='fsdp' to clip in manual optimization, or automatic optimization."
+                )
             return  # the engine clips from its own config (set from the Trainer's flags)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 

@@ -306,7 +306,8 @@ class ShardStrategy(ParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
-        DeepSpeedEngine.backward(self.model, closure_loss)
+        assert self._ds is not None
+        self._ds.backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
@@ -369,7 +370,8 @@ class ShardStrategy(ParallelStrategy):
         if self.engine_name == "deepspeed":
             result = closure()
             self.precision_plugin._after_closure(self._lm, optimizer)
-            DeepSpeedEngine.step(self.model)
+            assert self._ds is not None
+            self._ds.step(self.model)
             return result
         if self._guard is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)

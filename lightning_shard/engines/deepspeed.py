@@ -75,6 +75,7 @@ class DeepSpeedEngine:
         self.nvme_path = nvme_path
         self.pin_memory = pin_memory
         self.rank = rank
+        self._backwards = 0  # backward calls since the last optimizer step
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -177,14 +178,23 @@ class DeepSpeedEngine:
 
     # --- training --------------------------------------------------------------------------------
 
-    @staticmethod
-    def backward(engine: Any, loss: torch.Tensor) -> None:
+    def backward(self, engine: Any, loss: torch.Tensor, manual: bool = False) -> None:
+        self._backwards += 1
+        if manual and self._backwards > 1 and self.stage in (1, 2):
+            # ZeRO-1/2 reduce and partition gradients at every backward that DeepSpeed takes for an
+            # accumulation boundary; with manual optimization it cannot know which one is, and a second
+            # backward before step() would replace the first one's gradients instead of adding to them.
+            raise ValueError(
+                f"ShardStrategy(stage={self.stage}, engine='deepspeed') cannot accumulate gradients over several"
+                " self.manual_backward() calls before optimizer.step(): DeepSpeed ZeRO-1/2 would keep only the"
+                " last one. Call step() after every manual_backward(), use stage=0 or 3, or engine='fsdp'."
+            )
         # Lightning's loop has already divided the loss by accumulate_grad_batches; DeepSpeed would
         # divide it again by gradient_accumulation_steps (the same number) and halve every gradient.
         engine.backward(loss, scale_wrt_gas=False)
 
-    @staticmethod
-    def step(engine: Any) -> None:
+    def step(self, engine: Any) -> None:
+        self._backwards = 0
         engine.step()
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -290,6 +300,7 @@ def setup_deepspeed(strategy: Any, trainer: Any) -> DeepSpeedEngine:
     from lightning_shard._optim import rebind_scheduler
 
     strategy.precision_plugin.engine_managed = True
+    strategy.precision_plugin.engine_clip_val = trainer.gradient_clip_val
     ds = DeepSpeedEngine(
         strategy.stage,
         strategy.precision_plugin,
