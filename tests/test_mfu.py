@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -244,7 +248,10 @@ def test_rates_from_fake_clock_are_exact_and_logged_to_csv(tmp_path: Path):
     monitor = MFUMonitor(peak_flops=1e9, window=3, log_every_n_steps=2)
     monitor._clock = clock
     logger = CSVLogger(tmp_path, name="run", version=0)
-    fit(module, loader(clock, fetch_s=0.0625), [monitor], max_steps=6, logger=logger, log_every_n_steps=2)
+    rss = PeakRss()  # after the monitor: reads the kernel's figure right after the monitor's last log
+    fit(
+        module, loader(clock, fetch_s=0.0625), [monitor, rss], max_steps=6, logger=logger, log_every_n_steps=2
+    )
 
     model_flops = monitor.counted["model_flops"]
     expected = {
@@ -261,7 +268,8 @@ def test_rates_from_fake_clock_are_exact_and_logged_to_csv(tmp_path: Path):
     assert set(monitor.metrics) == {*expected, "perf/peak_memory_gb"}
     for key, value in expected.items():
         assert monitor.metrics[key] == pytest.approx(value, rel=1e-12), key
-    assert monitor.metrics["perf/peak_memory_gb"] > 0
+    # On CPU: the process's peak resident set in GB (1e9 bytes), as the kernel reports it.
+    assert monitor.metrics["perf/peak_memory_gb"] == pytest.approx(rss.bytes / 1e9, rel=1e-3)
 
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -269,6 +277,15 @@ def test_rates_from_fake_clock_are_exact_and_logged_to_csv(tmp_path: Path):
     assert [int(r["step"]) for r in logged] == [2, 4, 6]
     assert set(expected) <= set(rows[0])
     assert float(logged[-1]["perf/samples_per_sec"]) == pytest.approx(BATCH / 0.5)
+
+
+class PeakRss(L.Callback):
+    """The kernel's peak resident set of this process (Linux ``VmHWM``) at the end of every batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        self.bytes = int(line.split()[1]) * 1024  # kB
 
 
 def test_int_flops_per_batch_and_tokens_fn():
@@ -301,10 +318,43 @@ def test_unknown_device_warns_once_and_logs_no_mfu(monkeypatch: pytest.MonkeyPat
     assert monitor.metrics["perf/samples_per_sec"] == pytest.approx(BATCH / 0.5)
 
 
-def test_cpu_peak_is_probed_and_said():
-    assert probe_cpu_peak("fp32", size=64, budget_s=0.01) > 0
-    peak, source = mfu_module._device_peak(torch.device("cpu"), "fp32")
-    assert peak > 0 and "probe" in source
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype"),
+    [
+        ("fp32", torch.float32),
+        ("tf32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("fp64", torch.float64),
+        ("fp8", torch.bfloat16),  # no CPU fp8 matmul: probed as bf16
+    ],
+)
+def test_cpu_probe_is_the_fastest_burst_of_matmuls_in_the_run_dtype(monkeypatch, dtype, torch_dtype):
+    """A fake clock that only matmuls move: a warm-up (not timed), then bursts of 4 matmuls at 0.5, 0.25
+    and 1.0 s each; the budget ends during the third burst. The peak is the fastest burst's rate."""
+    from lightning_shard.callbacks import _peaks
+
+    clock, seconds_per_mm, seen = FakeClock(), iter([1.0] + [0.5] * 4 + [0.25] * 4 + [1.0] * 4), []
+    real_mm = torch.mm
+
+    def timed_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append((a.dtype, b.dtype, tuple(a.shape), tuple(b.shape)))
+        clock.t += next(seconds_per_mm)
+        return real_mm(a, b)
+
+    monkeypatch.setattr(_peaks, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(torch, "mm", timed_mm)
+    size = 8
+    peak = probe_cpu_peak(dtype, size=size, budget_s=4.5)
+    assert seen == [(torch_dtype, torch_dtype, (size, size), (size, size))] * 13  # warm-up + 3 bursts
+    assert peak == 4 * 2 * size**3 / (4 * 0.25)  # 4 matmuls of 2·n³ FLOPs in the fastest burst's 1 s
+
+
+def test_cpu_device_peak_is_the_probe_in_the_run_dtype(monkeypatch):
+    monkeypatch.setattr(mfu_module, "probe_cpu_peak", lambda dtype: {"bf16": 3e11, "fp32": 1e11}[dtype])
+    assert mfu_module._device_peak(torch.device("cpu"), "bf16") == (3e11, "cpu in bf16 (matmul probe)")
+    assert mfu_module._device_peak(torch.device("cpu"), "fp32") == (1e11, "cpu in fp32 (matmul probe)")
+    assert mfu_module._device_peak(torch.device("meta"), "fp32") == (None, "device type 'meta' in fp32")
 
 
 # --- peak table --------------------------------------------------------------------------------------
@@ -394,14 +444,64 @@ def test_compute_dtype(precision: str, expected: str):
     assert compute_dtype(precision, nn.Linear(2, 2), torch.device("cpu")) == expected
 
 
-def test_compute_dtype_tf32_and_float8_modules(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert compute_dtype("32-true", nn.Linear(2, 2), torch.device("cuda")) == "tf32"
+@contextlib.contextmanager
+def tf32_on(switch: str) -> Iterator[None]:
+    """TF32 turned on through one of torch's switches, then off again through the same switch.
 
+    Process-wide state, so it is restored by hand: the attributes of ``torch.backends.cuda.matmul``
+    live in C++, which ``monkeypatch`` cannot undo (pytest >= 9.2 tries ``delattr`` and fails), and
+    restoring through another switch than the one used leaves torch refusing to read the legacy flag
+    ("mix of the legacy and new APIs").
+    """
+    matmul = torch.backends.cuda.matmul
+    undo: list[Callable[[], None]] = []
+
+    def set_(obj: Any, name: str, value: str | bool) -> None:
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        undo.append(lambda: setattr(obj, name, old))
+
+    if switch == "allow_tf32":
+        set_(matmul, "allow_tf32", True)
+    elif switch == "set_float32_matmul_precision":
+        old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        undo.append(lambda: torch.set_float32_matmul_precision(old))
+    elif switch == "matmul.fp32_precision":
+        set_(matmul, "fp32_precision", "tf32")
+    else:  # "backends.fp32_precision": the global default, which a backend set to "none" inherits
+        set_(matmul, "fp32_precision", "none")
+        set_(torch.backends, "fp32_precision", "tf32")
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+@pytest.mark.parametrize(
+    "switch",
+    ["allow_tf32", "set_float32_matmul_precision", "matmul.fp32_precision", "backends.fp32_precision"],
+)
+def test_compute_dtype_is_tf32_exactly_when_cuda_fp32_matmuls_may_use_it(switch: str):
+    cuda, linear, matmul = torch.device("cuda"), nn.Linear(2, 2), torch.backends.cuda.matmul
+    assert compute_dtype("32-true", linear, cuda) == "fp32"
+    with tf32_on(switch):
+        assert compute_dtype("32-true", linear, cuda) == "tf32"
+        assert compute_dtype("32-true", linear, torch.device("cpu")) == "fp32"  # a cuBLAS mode only
+        assert compute_dtype("bf16-mixed", linear, cuda) == "bf16"  # TF32 concerns fp32 matmuls only
+        assert table_peak("NVIDIA H100", compute_dtype("32-true", linear, cuda)) == pytest.approx(494.7e12)
+    assert compute_dtype("32-true", linear, cuda) == "fp32"
+    # Left as found: every switch reads back the default, the legacy ones included.
+    assert (matmul.allow_tf32, torch.get_float32_matmul_precision()) == (False, "highest")
+
+
+def test_compute_dtype_float8_modules():
     class Float8Linear(nn.Linear):  # torchao's float8 training swaps nn.Linear for a class of this name
         pass
 
     assert compute_dtype("bf16-mixed", nn.Sequential(Float8Linear(2, 2)), torch.device("cuda")) == "fp8"
+    assert compute_dtype("bf16-mixed", nn.Sequential(nn.Linear(2, 2)), torch.device("cuda")) == "bf16"
 
 
 # --- bad input -------------------------------------------------------------------------------------

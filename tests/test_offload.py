@@ -1,4 +1,8 @@
-"""Offload flags and the DeepSpeed engine's bad input: errors before any process starts."""
+"""Offload flags and the DeepSpeed engine's bad input: errors before any process starts.
+
+Only the tests marked ``deepspeed`` need DeepSpeed installed (tests/conftest.py skips them where it
+is missing); the flag checks that fail before an engine is chosen run everywhere.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,6 @@ import pytest
 from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard import offload as offload_mod
 from lightning_shard.engines import deepspeed as ds_engine
-
-deepspeed = pytest.importorskip("deepspeed")
 
 
 @pytest.mark.parametrize("flag", ["offload_optimizer", "offload_params"])
@@ -44,6 +46,7 @@ def test_nvme_path_without_nvme(tmp_path):
         ShardStrategy(stage=3, nvme_path=str(tmp_path))
 
 
+@pytest.mark.deepspeed
 def test_nvme_path_missing_or_not_a_directory(tmp_path):
     with pytest.raises(ValueError, match=r"nvme_path='.*nope'\) does not exist"):
         ShardStrategy(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path / "nope"))
@@ -52,6 +55,7 @@ def test_nvme_path_missing_or_not_a_directory(tmp_path):
         ShardStrategy(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path / "file"))
 
 
+@pytest.mark.deepspeed
 def test_nvme_path_not_writable(tmp_path, monkeypatch):
     monkeypatch.setattr(offload_mod.os, "access", lambda path, mode: False)
     with pytest.raises(ValueError, match=r"is not writable by this user"):
@@ -63,6 +67,7 @@ def test_nvme_path_too_small(tmp_path):
         offload_mod.check_nvme_path(str(tmp_path), need_bytes=1 << 62)
 
 
+@pytest.mark.deepspeed
 def test_libaio_missing(tmp_path, monkeypatch):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -90,14 +95,15 @@ def test_fsdp_engine_cannot_serve_optimizer_only_offload():
     [
         ({}, "fsdp"),
         ({"offload_optimizer": "cpu", "offload_params": "cpu"}, "fsdp"),
-        ({"offload_optimizer": "cpu"}, "deepspeed"),
-        ({"engine": "deepspeed"}, "deepspeed"),
+        pytest.param({"offload_optimizer": "cpu"}, "deepspeed", marks=pytest.mark.deepspeed),
+        pytest.param({"engine": "deepspeed"}, "deepspeed", marks=pytest.mark.deepspeed),
     ],
 )
 def test_auto_engine_choice(kwargs, engine):
     assert ShardStrategy(stage=3, **kwargs).engine_name == engine
 
 
+@pytest.mark.deepspeed
 def test_nvme_chooses_deepspeed(tmp_path):
     assert (
         ShardStrategy(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path)).engine_name == "deepspeed"
@@ -107,7 +113,7 @@ def test_nvme_chooses_deepspeed(tmp_path):
 @pytest.mark.parametrize(
     "name, kwargs",
     [
-        ("zero2_offload", dict(stage=2, offload_optimizer="cpu")),
+        pytest.param("zero2_offload", dict(stage=2, offload_optimizer="cpu"), marks=pytest.mark.deepspeed),
         ("zero3_offload", dict(stage=3, offload_optimizer="cpu", offload_params="cpu")),
     ],
 )
@@ -122,11 +128,15 @@ def test_offload_registered_names(name, kwargs):
     )
 
 
-def test_deepspeed_rejects_flags_it_cannot_serve():
+@pytest.mark.deepspeed
+def test_deepspeed_strategy_rejects_async_checkpoint():
     with pytest.raises(
         ValueError, match=r"async_checkpoint=True\) is not available with the DeepSpeed engine"
     ):
         ShardStrategy(stage=3, engine="deepspeed", async_checkpoint=True)
+
+
+def test_deepspeed_engine_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"cannot run precision='bf16-true'"):
         ds_engine.DeepSpeedEngine(3, ShardPrecision("bf16-true"))
     with pytest.raises(
@@ -181,6 +191,7 @@ def test_swap_directory_is_cleared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["user_file"]
 
 
+@pytest.mark.deepspeed
 def test_nvme_registered_name(tmp_path, monkeypatch):
     monkeypatch.delenv("LIGHTNING_SHARD_NVME_PATH", raising=False)
     with pytest.raises(ValueError, match=r"needs the NVMe swap directory in the environment variable"):

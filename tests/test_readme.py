@@ -29,10 +29,27 @@ def _python_part(command: str) -> list[str]:
 def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     commands = _quickstart_commands()
     assert len(commands) == 2
-    assert all(c.startswith("pip install torch==2.13.0 && ") for c in commands)
-    test_command = commands[1].split("&&")[-1].strip()
+    # torch first and pinned (an unpinned torch may pull a multi-GB CUDA build), then the package.
+    assert all(c.startswith("pip install torch==2.13.0") for c in commands)
+    *installs, test_command = (part.strip() for part in commands[1].split("&&"))
+    # DeepSpeed's tests run too: DeepSpeed builds against the installed torch, so without build isolation.
+    assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed]"'
+    assert test_command == "python -m pytest -q"
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    # CI installs with exactly the README's commands, in order, and ends with its test command.
+    assert [
+        line for line in ci_lines if line.startswith(("pip install", "python -m pip install"))
+    ] == installs
     assert ci_lines[-1] == test_command
+
+
+def test_extras_named_in_the_readme_exist():
+    # pyproject's extras, one `name = [...]` line each (tomllib is not in Python 3.10).
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]\n", 1)[1]
+    extras = dict(re.findall(r"^([a-z]+) = \[(.*)\]$", section.split("\n[", 1)[0], re.M))
+    named = set(re.findall(r'-e "\.\[([a-z,]+)\]"', README))
+    assert named and all(name in extras for group in named for name in group.split(","))
+    assert "deepspeed" not in extras["dev"]  # it needs torch installed before it builds
 
 
 @pytest.mark.multirank

@@ -113,6 +113,7 @@ def two_rank_run(slow_rank: int, sleep_s: float) -> dict:
         "warnings": [str(w.message) for w in caught if "StragglerDetector" in str(w.message)],
         "perf": monitor.metrics,
         "counted": monitor.counted,
+        "peak": monitor.device_peak,
     }
 
 
@@ -140,9 +141,16 @@ def test_mfu_sums_per_rank_work_over_ranks(two_ranks: list[dict]):
     assert two_ranks[0]["counted"] == two_ranks[1]["counted"]  # each rank counted its own (equal) batch
     assert perf == two_ranks[1]["perf"]  # one all_gather: every rank computes the same metrics
     assert perf["perf/tokens_per_sec"] == pytest.approx(2 * perf["perf/tokens_per_sec_per_device"])
-    expected = 2 * BATCH * SEQ / perf["perf/step_time_s"]  # two ranks' tokens per (synchronised) step
+    step_s = perf["perf/step_time_s"]  # the ranks wait for each other every step: one step time
+    expected = 2 * BATCH * SEQ / step_s  # two ranks' tokens per (synchronised) step
     assert perf["perf/tokens_per_sec"] == pytest.approx(expected, rel=0.1)
-    assert 0 < perf["perf/mfu"] <= perf["perf/hfu"] <= 1
+    # MFU = both ranks' model FLOPs per step / step time / both ranks' peaks (each probed its own).
+    counted, peaks = two_ranks[0]["counted"], [r["peak"] for r in two_ranks]
+    assert perf["perf/mfu"] == pytest.approx(2 * counted["model_flops"] / step_s / sum(peaks), rel=0.1)
+    assert perf["perf/peak_tflops_per_device"] == pytest.approx(sum(peaks) / 2 / 1e12, rel=1e-12)
+    # No recompute here but CPU flash attention's: HFU/MFU is exactly the counted ratio.
+    ratio = counted["hardware_flops"] / counted["model_flops"]
+    assert ratio > 1 and perf["perf/hfu"] / perf["perf/mfu"] == pytest.approx(ratio, rel=1e-9)
 
 
 @pytest.mark.multirank

@@ -5,7 +5,8 @@ B200/GB200 as NVIDIA sells them). Datasheets print the 2:4-sparsity figure first
 the dense one; MFU against a sparse peak would read half of the truth, so the table halves those.
 Sources: the NVIDIA H100, H200, HGX B200, GB200 NVL72, A100, L40S, L4 and A10 datasheets and the
 Ada architecture whitepaper (RTX 4090). ``fp32`` is the non-tensor-core rate; ``tf32`` applies to
-fp32 matmuls when TF32 is allowed (``torch.backends.cuda.matmul.allow_tf32``).
+fp32 matmuls when TF32 is allowed (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, which
+``allow_tf32 = True`` and ``torch.set_float32_matmul_precision("high")`` also set).
 
 Where Lightning's own table (``lightning.fabric.utilities.throughput._CUDA_FLOPS``) differs:
 it has no fp8 column, no B200 / GB200 / L40S entries (it maps "NVIDIA L40S" to the L4), lists the
@@ -132,9 +133,24 @@ def compute_dtype(precision: str, model: torch.nn.Module, device: torch.device) 
         return "fp16"
     if p.startswith("64"):
         return "fp64"
-    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if device.type == "cuda" and _cuda_matmul_allows_tf32():
         return "tf32"
     return "fp32"
+
+
+def _cuda_matmul_allows_tf32() -> bool:
+    """Whether fp32 matmuls on CUDA may run as TF32, whichever of torch's switches turned it on.
+
+    ``fp32_precision`` (torch >= 2.9) reflects all of them: ``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.set_float32_matmul_precision("high")`` and the new per-backend and global
+    ``fp32_precision`` settings. The legacy ``allow_tf32`` flag cannot be read once the new API was
+    used (torch raises "mix of the legacy and new APIs"), so it is only the fallback for older torch.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9
+        return bool(matmul.allow_tf32)
+    return precision == "tf32"
 
 
 def _has_float8_modules(model: torch.nn.Module) -> bool:
