@@ -16,7 +16,6 @@ import copy
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,14 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.gpt import GPT  # noqa: E402
-from lightning_shard.activation_checkpointing import (  # noqa: E402
+from lightning_shard.activation_checkpointing import (
     ActivationCheckpointing,
     apply_activation_checkpointing,
     measure,
 )
+from lightning_shard.demos import GPT
 
 POLICIES: dict[str, Callable[[], ActivationCheckpointing | None]] = {
     "none": lambda: None,

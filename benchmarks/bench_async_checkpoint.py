@@ -14,21 +14,16 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+import lightning as L
+import torch
+from _common import run_ranks, write_report
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from _common import write_report  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard import ShardStrategy
 
 WIDTH, DEPTH = 2048, 24  # 24 x 2048^2 = 100.7M parameters
 
@@ -100,8 +95,6 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/async_checkpoint.json")
     args = parser.parse_args()
-    from _dist import run_ranks
-
     raw = run_ranks(_bench, args.rounds, args.steps, args.every)[0]
     blocked = {m: statistics.median(t for run in raw[m] for t in run["blocked_s"]) for m in ("sync", "async")}
     total = {m: statistics.median(run["total_s"] for run in raw[m]) for m in raw}

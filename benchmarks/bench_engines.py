@@ -12,18 +12,13 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+import lightning as L
+from _common import MODEL, StepTimer, run_ranks, token_loader, write_report
 
-import lightning as L  # noqa: E402
-from _common import MODEL, StepTimer, token_loader, write_report  # noqa: E402
-
-from examples.gpt import GPTModule  # noqa: E402
-from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard import ShardStrategy
+from lightning_shard.demos import GPTModule
 
 
 def _configs(nvme_path: str) -> dict[str, dict]:
@@ -82,8 +77,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default="benchmarks/results/engines.json")
     args = parser.parse_args()
-    from _dist import run_ranks
-
     with tempfile.TemporaryDirectory(prefix="bench_nvme_") as nvme_path:
         raw = run_ranks(_bench, args.rounds, args.steps, nvme_path)[0]
     median_ms = {n: statistics.median(r["step_s"] for r in runs) * 1000 for n, runs in raw.items()}

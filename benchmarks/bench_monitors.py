@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.gpt import GPTModule, TextDataModule  # noqa: E402
-from lightning_shard import MFUMonitor, StragglerDetector  # noqa: E402
+from lightning_shard import MFUMonitor, StragglerDetector
+from lightning_shard.demos import GPTModule, TextDataModule
 
 _HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

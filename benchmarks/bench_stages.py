@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+import lightning as L
+import torch
+from _common import MODEL, StepTimer, run_ranks, token_loader, write_report
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from _common import MODEL, StepTimer, token_loader, write_report  # noqa: E402
-
-from examples.gpt import GPTModule  # noqa: E402
-from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard import ShardStrategy
+from lightning_shard.demos import GPTModule
 
 
 class HandWrittenFSDP2(GPTModule):
@@ -78,8 +73,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default="benchmarks/results/stages.json")
     args = parser.parse_args()
-    from _dist import run_ranks
-
     raw = run_ranks(_bench, args.rounds, args.steps)[0]
     medians = {name: statistics.median(times) * 1000 for name, times in raw.items()}
     report = {

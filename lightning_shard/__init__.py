@@ -20,8 +20,8 @@ __all__ = [
 
 _LAZY = {
     "ActivationCheckpointing": "lightning_shard.activation_checkpointing",
-    "MFUMonitor": "lightning_shard.callbacks.mfu",
-    "StragglerDetector": "lightning_shard.callbacks.straggler",
+    "MFUMonitor": "lightning_shard.callbacks",
+    "StragglerDetector": "lightning_shard.callbacks",
 }
 
 

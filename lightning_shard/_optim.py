@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from torch.optim import Optimizer
@@ -26,3 +27,13 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
     tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = tracked_step  # type: ignore[method-assign]
+
+
+def rebind_schedulers(schedulers: list[Any], old: Sequence[Optimizer], new: Sequence[Optimizer]) -> None:
+    """Point every scheduler of an optimizer in ``old`` at its replacement in ``new``."""
+    for before, after in zip(old, new, strict=True):
+        if after is before:
+            continue
+        for scheduler in schedulers:
+            if getattr(scheduler, "optimizer", None) is before:
+                rebind_scheduler(scheduler, after)

@@ -20,7 +20,7 @@ from lightning_shard import checkpoint
 
 _PLAN_EPILOG = """examples:
   lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB
-  lightning-shard plan --model examples.gpt.GPT --model.n_layers 12 --model.d_model 768 --devices 2 --gpu-mem 16GB
+  lightning-shard plan --model lightning_shard.demos.gpt.GPT --model.n_layers 12 --model.d_model 768 --devices 2 --gpu-mem 16GB
   lightning-shard plan --params 70e9 --gpus 256 --gpu-mem 80GB --seq-len 4096 --json
 Model constructor arguments are given jsonargparse-style, --model.NAME VALUE."""
 
@@ -45,7 +45,8 @@ def _add_plan(sub: Any) -> None:
     model = plan.add_argument_group("model (give --params or --model)")
     model.add_argument("--params", help="parameter count, e.g. 7e9, 7B, 125M")
     model.add_argument(
-        "--model", help="class path of an nn.Module, built on the meta device, e.g. examples.gpt.GPT"
+        "--model",
+        help="class path of an nn.Module, built on the meta device, e.g. lightning_shard.demos.gpt.GPT",
     )
     for name in ("layers", "hidden", "heads", "vocab", "ffn"):
         model.add_argument(f"--{name}", type=_positive_int, help=f"override the model's {name}")
@@ -75,6 +76,12 @@ def _add_plan(sub: Any) -> None:
     flags.add_argument("--offload-params", default="auto", choices=["none", "cpu", "nvme", "auto"])
     flags.add_argument(
         "--activation-checkpointing", default="auto", choices=["none", "selective", "full", "auto"]
+    )
+    flags.add_argument(
+        "--engine", default="auto", choices=["auto", "fsdp", "deepspeed"], help="ShardStrategy(engine=...)"
+    )
+    flags.add_argument(
+        "--nvme-path", help="directory on the NVMe drive, for --offload-optimizer/--offload-params nvme"
     )
     flags.add_argument(
         "--micro-batch", type=_positive_int, default=1, help="sequences per device per step (default 1)"
@@ -110,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _world(args: argparse.Namespace) -> tuple[int, int]:
     """(world size, devices per node) from --gpus or --devices x --nodes."""
-    from lightning_shard._plan_units import PlanInputError
+    from lightning_shard.planner.units import PlanInputError
 
     devices, nodes = args.devices or 1, args.nodes or 1
     if args.gpus is not None and (args.devices or args.nodes) and args.gpus != devices * nodes:
@@ -123,7 +130,7 @@ def _world(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _device_memory(args: argparse.Namespace, per_node: int) -> tuple[int, str | None]:
-    from lightning_shard._plan_units import parse_size
+    from lightning_shard.planner.units import parse_size
 
     if args.gpu_mem is not None:
         return parse_size(args.gpu_mem, "--gpu-mem"), None
@@ -151,8 +158,8 @@ def _model_argv(parser: argparse.ArgumentParser, extras: list[str], model: str |
 
 def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, Any]:
     """The planner's keyword arguments, with every size checked under the flag name the user typed."""
-    from lightning_shard._plan_model import build_on_meta
-    from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count
+    from lightning_shard.planner.model import build_on_meta
+    from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count
 
     world, per_node = _world(args)
     memory, memory_note = _device_memory(args, per_node)
@@ -174,6 +181,8 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "offload_optimizer",
         "offload_params",
         "activation_checkpointing",
+        "engine",
+        "nvme_path",
     )
     same += ("micro_batch", "seq_len", "margin", "layers", "hidden", "heads", "vocab", "ffn", "bandwidth")
     return {
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {out}")
     elif args.command == "plan":
-        from lightning_shard._plan_units import PlanInputError
+        from lightning_shard.planner.units import PlanInputError
 
         model_argv = _model_argv(parser, extras, args.model)
         if args.params is None and args.model is None and not (args.layers and args.hidden):

@@ -1,16 +1,9 @@
 """How many bytes of model state this rank holds: parameters, gradients, optimizer state.
 
-The ZeRO paper's accounting for Ψ parameters over N ranks, with K bytes of optimizer state per
-parameter (fp32 Adam: exp_avg + exp_avg_sq = 8, plus a 4-byte fp32 master copy in mixed precision)::
-
-    stage 0:  params Ψ·b   grads Ψ·b     optimizer K·Ψ
-    stage 1:  params Ψ·b   grads Ψ·b     optimizer K·Ψ/N
-    stage 2:  params Ψ·b   grads Ψ·b/N   optimizer K·Ψ/N
-    stage 3:  params Ψ·b/N grads Ψ·b/N   optimizer K·Ψ/N
-
-(b = bytes per stored parameter.) This module measures what is actually resident, so tests and the
-planner can check the table against real runs. Sharded (DTensor) tensors count their local shard;
-a storage shared by several tensors (tied weights) is counted once.
+What each ZeRO stage should hold per rank is the table in docs/strategy.md ("Memory per rank");
+this module measures what is actually resident, so tests and the planner can check the table
+against real runs. Sharded (DTensor) tensors count their local shard; a storage shared by several
+tensors (tied weights) is counted once.
 """
 
 from __future__ import annotations

@@ -41,6 +41,11 @@ def validate(
             f"ShardStrategy(offload_params={offload_params!r}) needs stage=3 (got stage={stage}): parameters are"
             " only sharded at stage 3. Use stage=3 or drop offload_params."
         )
+    if offload_optimizer is not None and stage == 0:
+        raise ValueError(
+            f"ShardStrategy(offload_optimizer={offload_optimizer!r}) needs stage >= 1 (got stage=0): optimizer state"
+            " is offloaded only under ZeRO (stages 1-3). Use stage=1 or higher, or drop offload_optimizer."
+        )
     uses_nvme = "nvme" in (offload_optimizer, offload_params)
     if uses_nvme and stage < 3:
         raise ValueError(
@@ -78,7 +83,7 @@ def require_deepspeed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ValueError(
             "ShardStrategy needs DeepSpeed for these flags (engine='deepspeed', NVMe offload, or optimizer-only CPU"
-            " offload), and it is not installed. Run: pip install --no-build-isolation 'lightning-shard[deepspeed]'"
+            " offload), and it is not installed. Run: pip install setuptools && pip install --no-build-isolation 'lightning-shard[deepspeed]'"
             " (after torch)."
         )
 

@@ -29,7 +29,6 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
-from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -71,9 +70,13 @@ class ShardPrecision(Precision):
         self._half = HalfPrecision("bf16-true") if precision == "bf16-true" else None
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
-        # Set when an engine (DeepSpeed) casts weights, scales losses and clips gradients itself.
-        self.engine_managed = False
-        self.engine_clip_val: float | None = None  # the clip value the engine applies itself
+
+    @classmethod
+    def from_plugin(cls, plugin: ShardPrecision) -> ShardPrecision:
+        """``plugin`` as this class (an engine's own precision rules), with the same settings."""
+        if type(plugin) is cls:
+            return plugin
+        return cls(plugin.precision, reduce_dtype=plugin.reduce_dtype)  # type: ignore[arg-type]
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -120,13 +123,6 @@ class ShardPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.engine_managed and self.param_dtype is not None:
-            from lightning_utilities.core.apply_func import apply_to_collection
-
-            dtype = self.param_dtype
-            return apply_to_collection(
-                data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t
-            )
         if self._half is not None:
             return self._half.convert_input(data)
         return data
@@ -134,9 +130,7 @@ class ShardPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.engine_managed:
-            yield
-        elif self.is_mixed:
+        if self.is_mixed:
             dtype = _LOW_DTYPE[self.precision]
             with torch.autocast(self.device_type, dtype=dtype, cache_enabled=False):
                 yield
@@ -173,27 +167,6 @@ class ShardPrecision(Precision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
-    ) -> None:
-        if self.engine_managed:
-            if clip_val and clip_val != self.engine_clip_val:
-                # Only self.clip_gradients() in manual optimization gets here with its own value: the
-                # engine clips inside its step, at the Trainer's gradient_clip_val, which Lightning
-                # does not allow with manual optimization.
-                raise ValueError(
-                    f"self.clip_gradients(gradient_clip_val={clip_val}) is not available with"
-                    " ShardStrategy(engine='deepspeed'), which clips inside its optimizer step from"
-                    " Trainer(gradient_clip_val=...) only (not allowed with manual optimization)."
-                    " Use engine='fsdp' to clip in manual optimization, or automatic optimization."
-                )
-            return  # the engine clips from its own config (set from the Trainer's flags)
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,6 @@ starts, and delegates sharding, state dicts and gradient sync to one engine
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,60 +14,32 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard import _auto_stage, _flags
-from lightning_shard import checkpoint as ckpt
-from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
-from lightning_shard._optim import rebind_scheduler
+from lightning_shard._modules import ModuleClassSpec
+from lightning_shard._processes import ProcessGroupStrategy
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
-from lightning_shard.async_checkpoint import AsyncCheckpointer, new_checkpoint_group
-from lightning_shard.engines.deepspeed import DeepSpeedEngine, setup_deepspeed
-from lightning_shard.engines.fsdp import FSDPEngine
-from lightning_shard.memory import model_state_bytes
+from lightning_shard.config import CheckpointMode, EngineFlag, ShardConfig
+from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
 from lightning_shard.nonfinite import NonFiniteGuard
 from lightning_shard.offload import OffloadDevice
+from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
-log = logging.getLogger(__name__)
 
-Engine = Literal["auto", "fsdp", "deepspeed"]
-CheckpointMode = Literal["sharded", "full"]
-
-
-class ShardStrategy(ParallelStrategy):
+class ShardStrategy(ProcessGroupStrategy):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
-    ==========  =====================  ====================  ======================
-    ``stage``   optimizer state / rank  gradients / rank      parameters / rank
-    ==========  =====================  ====================  ======================
-    0           K·Ψ                     2·Ψ (fp16) or 4·Ψ     all
-    1           K·Ψ / N                 all                   all
-    2           K·Ψ / N                 Ψ / N                 all in fwd+bwd
-    3           K·Ψ / N                 Ψ / N                 Ψ / N
-    ==========  =====================  ====================  ======================
-
-    (Ψ parameters, N ranks, K bytes of optimizer state per parameter, e.g. 8 for fp32 Adam.)
+    What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md
+    ("Memory per rank"). The strategy validates its flags into one :class:`ShardConfig`, owns the
+    processes and the device mesh, and hands everything else to one engine through the contract in
+    :mod:`lightning_shard.engines.base`.
 
     Args:
         stage: ZeRO stage, 0 (replicated, DDP) to 3 (parameters, gradients and optimizer state sharded).
@@ -98,7 +69,7 @@ class ShardStrategy(ParallelStrategy):
     def __init__(
         self,
         stage: int | Literal["auto"] = 3,
-        engine: Engine = "auto",
+        engine: EngineFlag = "auto",
         shard_modules: Iterable[ModuleClassSpec] | ModuleClassSpec | None = None,
         checkpoint: CheckpointMode = "sharded",
         process_group_backend: str | None = None,
@@ -114,40 +85,63 @@ class ShardStrategy(ParallelStrategy):
         max_skipped: int = 10,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        self.stage, self.engine_name = _flags.validate(
-            stage,
-            engine,
-            checkpoint,
-            offload_optimizer,
-            offload_params,
-            nvme_path,
-            device_memory,
-            async_checkpoint,
-            skip_nonfinite,
-            max_skipped,
+        self.config = ShardConfig.from_flags(
+            stage=stage,
+            engine=engine,
+            shard_modules=shard_modules,
+            checkpoint=checkpoint,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path=nvme_path,
+            pin_memory=pin_memory,
+            activation_checkpointing=activation_checkpointing,
+            device_memory=device_memory,
+            async_checkpoint=async_checkpoint,
+            skip_nonfinite=skip_nonfinite,
+            max_skipped=max_skipped,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
-        self.activation_checkpointing = ActivationCheckpointing.from_flag(
-            activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
-        )
-        self.device_memory = device_memory
-        self.offload_optimizer, self.offload_params = offload_optimizer, offload_params
-        self.nvme_path, self.pin_memory = nvme_path, pin_memory
-        self._ds: DeepSpeedEngine | None = None
-        self.async_checkpoint = async_checkpoint
-        self._async: AsyncCheckpointer | None = None
-        self.skip_nonfinite = skip_nonfinite
+        super().__init__(self.config.process_group_backend, self.config.timeout, **kwargs)
         self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
-        self._shard_modules = resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)")
-        self.checkpoint_mode: CheckpointMode = checkpoint
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._device_mesh: Any = None
-        self._engine: FSDPEngine | None = None
-        self.num_nodes = 1
-        # With manual optimization the backward runs inside the step, before DDP's forward returns:
-        # this keeps DDP from arming its reducer a second time after the step (FSDP2 is unaffected).
-        self._forward_redirection = _DDPForwardRedirection()
+        self._engine: Engine | None = None
+        self._engine_live = False
+
+    # --- the validated flags ---------------------------------------------------------------------
+
+    @property
+    def stage(self) -> int | str:
+        """The ZeRO stage (``"auto"`` until setup resolves it)."""
+        return self.config.stage
+
+    @property
+    def engine_name(self) -> str:
+        """The engine that serves the flags (``engine="auto"`` resolved)."""
+        return self.config.engine
+
+    @property
+    def checkpoint_mode(self) -> CheckpointMode:
+        return self.config.checkpoint
+
+    @property
+    def activation_checkpointing(self) -> ActivationCheckpointing | None:
+        return self.config.activation_checkpointing
+
+    @property
+    def offload_optimizer(self) -> OffloadDevice | None:
+        return self.config.offload_optimizer
+
+    @property
+    def offload_params(self) -> OffloadDevice | None:
+        return self.config.offload_params
+
+    @property
+    def nvme_path(self) -> str | None:
+        return self.config.nvme_path
+
+    @property
+    def device_memory(self) -> int | str | None:
+        return self.config.device_memory
 
     # --- precision -------------------------------------------------------------------------------
 
@@ -155,26 +149,22 @@ class ShardStrategy(ParallelStrategy):
     @override
     def precision_plugin(self) -> ShardPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = ShardPrecision()
+            self._precision_plugin = engine_class(self.config.engine).precision_class()
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning assigns the plugin it built from Trainer(precision=...): translate it here, at
         # Trainer construction, so an unsupported precision fails before any process starts.
-        self._precision_plugin = None if plugin is None else to_shard_precision(plugin)
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        engine = engine_class(self.config.engine)
+        precision = engine.precision_class.from_plugin(to_shard_precision(plugin))
+        engine.check_precision(self.config.stage, precision)
+        self._precision_plugin = precision
 
-    # --- processes and devices -------------------------------------------------------------------
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    # --- model side -------------------------------------------------------------------------------
 
     @property
     def _lm(self) -> L.LightningModule:
@@ -183,9 +173,7 @@ class ShardStrategy(ParallelStrategy):
 
     @property
     def _stage(self) -> int:
-        # stage="auto" is resolved at the start of setup(); everything after it sees an int.
-        assert isinstance(self.stage, int), "ShardStrategy.stage is still 'auto' before setup()"
-        return self.stage
+        return self.config.resolved_stage
 
     @property
     def device_mesh(self) -> Any:
@@ -194,26 +182,12 @@ class ShardStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
-    def engine(self) -> FSDPEngine:
+    def engine(self) -> Engine:
         if self._engine is None:
             raise RuntimeError(
                 "ShardStrategy.engine is only available once the Trainer has set the model up."
             )
         return self._engine
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def is_distributed(self) -> bool:
-        # Read by Lightning's connector: a custom strategy must say so to get a DistributedSampler.
-        return True
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     @override
@@ -225,41 +199,6 @@ class ShardStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
-        )
-        if self.async_checkpoint and (self._async is None or self._async.closed):
-            self._async = AsyncCheckpointer(self.is_global_zero, new_checkpoint_group())
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     # --- model and optimizers --------------------------------------------------------------------
 
     @override
@@ -267,47 +206,42 @@ class ShardStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self.stage == "auto":
-            _auto_stage.apply(self, trainer)
+            stage, policy = auto_stage.choose_for(self, trainer)
+            self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
-        if self.engine_name == "deepspeed":
-            self._ds = setup_deepspeed(self, trainer)
-            return
         self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
-        self._engine = FSDPEngine(
-            self._stage,
-            self.device_mesh,
-            self.precision_plugin,
-            self._shard_modules,
-            cpu_offload=self.offload_params == "cpu",
-            pin_memory=self.pin_memory,
-        )
-        module = self.precision_plugin.convert_module(self.model)
-        if self._stage < 2:
-            module.to(self.root_device)
-        self.model = self._engine.wrap(module)
-        _materialize_distributed_module(self._lm, self.root_device)
+        if self._engine is None or not self._engine_live:
+            run = RunContext(
+                device=self.root_device,
+                mesh=self.device_mesh,
+                global_rank=self.global_rank,
+                world_size=self.world_size,
+                backend=str(self.process_group_backend),
+                barrier=self.barrier,
+            )
+            self._engine = engine_class(self.config.engine)(self.config, self.precision_plugin, run)
+            self._engine_live = True
+        self.model = self._engine.setup_module(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        # DeepSpeed counts micro-batches itself and steps at the boundary.
-        return self.engine_name == "deepspeed"
+        # An engine that owns the step counts micro-batches itself and steps at the boundary.
+        return engine_class(self.config.engine).owns_step
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.engine_name != "deepspeed":
+        if not self.engine.owns_step:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
-        assert self._ds is not None
-        self._ds.backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
+        assert self.model is not None
+        self.engine.backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
@@ -319,17 +253,17 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
-        # Re-made on every setup: the optimizer must hold the parameters of the module as now wrapped.
+        # Re-made on every fit: the optimizers must hold the parameters of the module as now wrapped.
         self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
-        originals = list(self.optimizers)
+        super().setup_optimizers(trainer)  # the user's configure_optimizers
         assert self.model is not None
-        wrapped = self.engine.wrap_optimizers(self.model, originals)
-        for old, new in zip(originals, wrapped, strict=True):
-            for config in self.lr_scheduler_configs:
-                if getattr(config.scheduler, "optimizer", None) is old:
-                    rebind_scheduler(config.scheduler, new)
-        self.optimizers = wrapped
+        settings = TrainSettings(
+            trainer.accumulate_grad_batches, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        )
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        self.model, self.optimizers = self.engine.setup_optimizers(
+            self.model, list(self.optimizers), schedulers, settings
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -337,12 +271,13 @@ class ShardStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # FSDP2's hooks sit on the root module's forward, but Lightning calls training_step:
-        # route the step through forward so parameters are gathered and gradients reduced.
+        # Wrappers act in the model's forward, but Lightning calls training_step (and the others):
+        # the engine says when a step must be routed through forward (parameters gathered, gradients
+        # reduced).
         module, model = self._lm, self.model
         assert model is not None
-        if model is not module or self._stage >= 2:
-            return self._forward_redirection(model, module, method, *args, **kwargs)
+        if self.engine.routes_through_forward(model, module):
+            return self.engine.forward_redirection(model, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
     @override
@@ -367,11 +302,11 @@ class ShardStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.engine_name == "deepspeed":
+        if self.engine.owns_step:
             result = closure()
             self.precision_plugin._after_closure(self._lm, optimizer)
-            assert self._ds is not None
-            self._ds.step(self.model)
+            assert self.model is not None
+            self.engine.step(self.model, optimizer)
             return result
         if self._guard is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -386,10 +321,10 @@ class ShardStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def state_bytes(self) -> dict[str, Any]:
-        """This rank's bytes of model state; with DeepSpeed, split by where they live (accelerator/host/nvme)."""
-        if self._ds is not None:
-            return self._ds.state_bytes(self.model)
-        return model_state_bytes(self._lm, self.optimizers).as_dict()
+        """This rank's bytes of model state: ``{"parameters" | "gradients" | "optimizer": {"accelerator",
+        "host", "nvme"}, "total": int}``, the same shape for every engine."""
+        assert self.model is not None
+        return self.engine.state_bytes(self.model, self.optimizers).as_dict()
 
     @property
     def skipped_steps(self) -> int:
@@ -405,37 +340,12 @@ class ShardStrategy(ParallelStrategy):
         with self._engine.no_sync(self.model):
             yield
 
-    # --- collectives -----------------------------------------------------------------------------
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     @override
     def teardown(self) -> None:
-        if self._ds is not None:
-            self._ds.teardown()
-        if self._async is not None:
-            self._async.close()
+        if self._engine is not None and self._engine_live:
+            self._engine.teardown()
+            # Kept for inspection after the run; the next Trainer call builds a fresh one.
+            self._engine_live = False
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -445,12 +355,10 @@ class ShardStrategy(ParallelStrategy):
 
     @property
     def _full(self) -> bool:
-        return self.checkpoint_mode == "full"
+        return self.config.checkpoint == "full"
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._ds is not None:
-            return {}  # DeepSpeed writes model and optimizer state itself, per rank
         assert self.model is not None
         return self.engine.model_state_dict(self.model, full=self._full)
 
@@ -458,8 +366,6 @@ class ShardStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self._ds is not None:
-            return {}
         assert self.model is not None
         return self.engine.optimizer_state_dict(self.model, optimizer, full=self._full)
 
@@ -480,38 +386,15 @@ class ShardStrategy(ParallelStrategy):
                 "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
             )
         path = Path(self.broadcast(str(filepath)))
-        if self._ds is not None:
-            DeepSpeedEngine.save_committed(self.model, path, checkpoint, self.is_global_zero, self.barrier)
-            return
-        if not self._full:
-            state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
-            for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-                state[ckpt.optimizer_key(i)] = opt_state
-            if self._async is not None:
-                self._async.save(state, checkpoint, path, self.barrier)
-            else:
-                ckpt.save_sharded(path, state, checkpoint, self.is_global_zero, self.barrier)
-            return
-        if self.is_global_zero:
-            ckpt.save_file(checkpoint, path)
-        self.barrier()
+        assert self.model is not None
+        self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._async is not None:
-            self._async.remove(Path(filepath))
-        elif self.is_global_zero:
-            ckpt.remove(Path(filepath))
+        self.engine.remove_checkpoint(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._async is not None:
-            self._async.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        if self._ds is not None:
-            ckpt.check_deepspeed_checkpoint(path)
-            return DeepSpeedEngine.load(self.model, path)
-        if path.is_dir():
-            return ckpt.load_sharded_into(self.engine, self.model, self.optimizers, path)
-        return ckpt.load_full_into(self.engine, self.model, self.optimizers, path)
+        return self.engine.load_checkpoint(self.model, self.optimizers, path)

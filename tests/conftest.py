@@ -1,16 +1,6 @@
 import importlib.util
-import os
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-# Spawned ranks re-import test modules by name: they need the same paths.
-os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.gpt import GPTModule
+from lightning_shard.demos import GPTModule
 
 VOCAB, SEQ = 64, 16
 
@@ -98,3 +98,15 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def make_engine(name: str, stage: int, precision: Any = None, **flags: Any) -> Any:
+    """An engine of one process on the CPU, built as ShardStrategy builds it (no process group)."""
+    from lightning_shard import ShardPrecision
+    from lightning_shard.config import ShardConfig
+    from lightning_shard.engines import RunContext, engine_class
+
+    cls = engine_class(name)
+    precision = cls.precision_class.from_plugin(precision or ShardPrecision())
+    run = RunContext(torch.device("cpu"), None, 0, 1, "gloo", lambda: None)
+    return cls(ShardConfig(stage=stage, engine=name, **flags), precision, run)

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from examples.gpt import GPT, Block, GPTModule, TextDataModule
 from lightning_shard import ActivationCheckpointing
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.activation_checkpointing import (
@@ -27,6 +26,7 @@ from lightning_shard.activation_checkpointing import (
     measure,
     remove_activation_checkpointing,
 )
+from lightning_shard.demos import GPT, Block, GPTModule, TextDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -420,7 +420,10 @@ BAD_ARGS = [
     ({"save_ops": [3]}, r"entry 3 is neither a torch op overload nor an op name"),
     ({"save_ops": []}, r"save_ops=\.\.\.\)=\[\] saves nothing.*policy='full'"),
     ({"blocks": "NoDots"}, r"blocks=\.\.\.\) entry 'NoDots' is not an import path"),
-    ({"blocks": "examples.gpt.NoSuchBlock"}, r"entry 'examples.gpt.NoSuchBlock' could not be imported"),
+    (
+        {"blocks": "lightning_shard.demos.NoSuchBlock"},
+        r"entry 'lightning_shard.demos.NoSuchBlock' could not be imported",
+    ),
 ]
 
 
@@ -599,14 +602,14 @@ trainer:
     - class_path: lightning_shard.ActivationCheckpointing
       init_args:
         policy: selective
-        blocks: [examples.gpt.Block]
+        blocks: [lightning_shard.demos.Block]
         every_n: 2
         save_ops: [aten.mm.default, aten.addmm.default]
         save_matmuls: every_other
     - class_path: lightning_shard.ActivationCheckpointing
       init_args:
         policy: full
-        blocks: examples.gpt.Block
+        blocks: lightning_shard.demos.Block
         memory_budget: 0.25
 """
     )
@@ -623,7 +626,7 @@ trainer:
     assert first.save_ops == ["aten.mm.default", "aten.addmm.default"]
     assert (second.policy, second.blocks, second.memory_budget) == ("full", Block, 0.25)
     dumped = cli.parser.dump(cli.config, skip_none=False)
-    assert "examples.gpt.Block" in dumped and "every_other" in dumped and "0.25" in dumped
+    assert "lightning_shard.demos.Block" in dumped and "every_other" in dumped and "0.25" in dumped
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -64,7 +64,8 @@ def _fit(world, ckpt_dir, max_steps=10, resume=None, every=5, top_k=-1, fail_on=
     if fail_on is not None:
         _break_writes(*fail_on)
     trainer.fit(tiny_gpt(), loader(8 // world, n=N), ckpt_path=resume)
-    return recorder.losses, full_weights(trainer), trainer.strategy._async.last_committed
+    last_committed = trainer.strategy.engine.async_checkpointer.last_committed
+    return recorder.losses, full_weights(trainer), last_committed
 
 
 def _break_writes(save_number: int, how: str) -> None:

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from examples.gpt import GPTModule
-from lightning_shard import ShardStrategy, _checkpoint_errors
+from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import CheckpointLoadError, check_deepspeed_checkpoint
+from lightning_shard.checkpoint import _errors as _checkpoint_errors
+from lightning_shard.demos import GPTModule
 from tests._dist import run_ranks
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 

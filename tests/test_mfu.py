@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
 
-from examples.gpt import GPT, GPTModule
 from lightning_shard import MFUMonitor
+from lightning_shard._batch import batch_shape
 from lightning_shard.callbacks import mfu as mfu_module
-from lightning_shard.callbacks._flops import CPU_ATTENTION_FLOPS, StepFlopCounter, batch_shape
+from lightning_shard.callbacks._flops import CPU_ATTENTION_FLOPS, StepFlopCounter
 from lightning_shard.callbacks._peaks import (
     PEAK_FLOPS,
     compute_dtype,
@@ -32,6 +32,7 @@ from lightning_shard.callbacks._peaks import (
     probe_cpu_peak,
     table_peak,
 )
+from lightning_shard.demos import GPT, GPTModule
 
 SEQ, D, LAYERS, HEADS, VOCAB, BATCH = 32, 32, 2, 2, 256, 4
 
@@ -522,7 +523,9 @@ def test_bad_flops_per_batch(value):
 @pytest.mark.parametrize("flag", ["window", "log_every_n_steps"])
 @pytest.mark.parametrize("value", [0, -3, 2.0])
 def test_bad_counts(flag: str, value):
-    with pytest.raises(ValueError, match=rf"MFUMonitor\({flag}={value!r}\) must be an int >= 1"):
+    with pytest.raises(
+        ValueError, match=rf"MFUMonitor\({flag}={value!r}\) must be an int >= 1.*Use e.g. {flag}="
+    ):
         MFUMonitor(**{flag: value})
 
 
@@ -539,3 +542,31 @@ def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(r.get("perf/mfu") for r in rows) and any(r.get("straggler/rank0_ms") for r in rows)
+
+
+def test_callbacks_package_exports_the_monitors_and_imports_no_engine():
+    import ast
+
+    import lightning_shard
+    import lightning_shard.callbacks as callbacks
+
+    assert callbacks.__all__ == ["MFUMonitor", "StragglerDetector"]
+    assert lightning_shard.MFUMonitor is callbacks.MFUMonitor is MFUMonitor
+    assert lightning_shard.StragglerDetector is callbacks.StragglerDetector
+    # Callbacks work with any strategy: they reach other ranks only through trainer.strategy, so no
+    # callback module imports an engine, the strategy, DeepSpeed, or the package root (which loads the
+    # strategy), not even lazily inside a function.
+    forbidden = ("lightning_shard.engines", "lightning_shard.strategy", "deepspeed")
+    for path in Path(callbacks.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                bad = name == "lightning_shard" or any(
+                    name == f or name.startswith(f + ".") for f in forbidden
+                )
+                assert not bad, f"callbacks/{path.name} imports {name}"

@@ -6,6 +6,7 @@ is missing); the flag checks that fail before an engine is chosen run everywhere
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -14,7 +15,9 @@ import pytest
 
 from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard import offload as offload_mod
+from lightning_shard.engines import TrainSettings
 from lightning_shard.engines import deepspeed as ds_engine
+from tests.helpers import make_engine
 
 
 @pytest.mark.parametrize("flag", ["offload_optimizer", "offload_params"])
@@ -138,22 +141,25 @@ def test_deepspeed_strategy_rejects_async_checkpoint():
 
 def test_deepspeed_engine_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"cannot run precision='bf16-true'"):
-        ds_engine.DeepSpeedEngine(3, ShardPrecision("bf16-true"))
+        make_engine("deepspeed", 3, ShardPrecision("bf16-true"))
     with pytest.raises(
         ValueError, match=r"gradient_clip_algorithm='value'\) is not available with engine='deepspeed'"
     ):
-        ds_engine.DeepSpeedEngine(3, ShardPrecision()).config(
-            1, 1.0, "value", __import__("torch").device("cpu")
-        )
+        make_engine("deepspeed", 3).ds_config(TrainSettings(1, 1.0, "value"))
 
 
 def test_deepspeed_config_from_flags(tmp_path):
-    import torch
 
-    engine = ds_engine.DeepSpeedEngine(
-        3, ShardPrecision("bf16-mixed"), "nvme", "cpu", str(tmp_path), None, rank=1
+    engine = make_engine(
+        "deepspeed",
+        3,
+        ShardPrecision("bf16-mixed"),
+        offload_optimizer="nvme",
+        offload_params="cpu",
+        nvme_path=str(tmp_path),
     )
-    config = engine.config(4, 0.5, "norm", torch.device("cpu"))
+    engine.run = dataclasses.replace(engine.run, global_rank=1)
+    config = engine.ds_config(TrainSettings(4, 0.5, "norm"))
     zero = config["zero_optimization"]
     assert (
         zero["stage"] == 3
@@ -214,3 +220,9 @@ def test_clearing_at_start_keeps_the_shared_parent(tmp_path):
     offload_mod.swap_dir(str(tmp_path), 1).mkdir()  # still possible: the parent is there
     offload_mod.clear_swap(str(tmp_path), 1)
     assert not (tmp_path / offload_mod.SWAP_DIRNAME).exists()
+
+
+@pytest.mark.parametrize("value", ["cpu", "nvme"])
+def test_optimizer_offload_needs_zero(value, tmp_path):
+    with pytest.raises(ValueError, match=rf"offload_optimizer='{value}'\) needs stage >= 1 \(got stage=0\)"):
+        ShardStrategy(stage=0, offload_optimizer=value, nvme_path=str(tmp_path) if value == "nvme" else None)

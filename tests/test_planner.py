@@ -11,11 +11,8 @@ import lightning as L
 import pytest
 import torch
 
-from examples.gpt import GPT, Block
 from lightning_shard import ShardStrategy, cli
-from lightning_shard._plan_memory import Config, candidates
-from lightning_shard._plan_model import build_on_meta, shape_from_params
-from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count, parse_size
+from lightning_shard.demos import GPT, Block
 from lightning_shard.planner import (
     activation_bytes,
     available_device_memory,
@@ -25,11 +22,15 @@ from lightning_shard.planner import (
     ring_allreduce_seconds,
     shape_from_module,
 )
+from lightning_shard.planner.memory import Config, candidates
+from lightning_shard.planner.model import build_on_meta, shape_from_params
+from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count, parse_size
 from tests._dist import run_ranks
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAIN = dict(offload_optimizer="none", offload_params="none", activation_checkpointing="none")
+NO_OFFLOAD = dict(offload_optimizer="none", offload_params="none")
+PLAIN = dict(**NO_OFFLOAD, activation_checkpointing="none")
 
 
 # --- textbook figures -------------------------------------------------------------------------------
@@ -179,14 +180,15 @@ def test_choose_stage_picks_stage_0_when_everything_fits():
 def test_choose_stage_goes_higher_when_memory_is_small():
     model = GPT(d_model=256, n_layers=4)
     kwargs = dict(world_size=8, precision="32-true", micro_batch=4, seq_len=128)
-    stage0_min = min(  # the smallest any stage-0 configuration can be (stage 0 cannot offload)
+    stage0_min = min(  # the smallest any stage-0 configuration without offload can be
         plan(
-            module=model, device_memory="1TB", stage=0, activation_checkpointing=a, **kwargs
+            module=model, device_memory="1TB", stage=0, activation_checkpointing=a, **kwargs, **NO_OFFLOAD
         ).recommended.total
         for a in ("none", "selective", "full")
     )
     memory = int(stage0_min / 0.9) - 1000
-    result = choose_stage(model, device_memory=memory, margin=0.1, **kwargs)
+    # Without offload: whether stage 0 may offload the optimizer is the strategy's rule, tested below.
+    result = choose_stage(model, device_memory=memory, margin=0.1, **{**kwargs, **NO_OFFLOAD})
     # Stage 1 frees 7/8 of the optimizer state on 8 devices, far more than the 1000 bytes missing.
     assert result.fits and result.stage == 1
     assert result.recommended.total <= result.usable_memory
@@ -236,6 +238,196 @@ def test_search_order_is_lowest_stage_then_fewest_offloads_then_least_recompute(
     )
 
 
+# --- only what the strategy accepts ----------------------------------------------------------------------
+
+
+def _hide_deepspeed(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+
+
+def _libaio() -> bool:
+    try:
+        from lightning_shard.offload import require_libaio
+
+        require_libaio()
+    except ValueError:
+        return False
+    return True
+
+
+PRINTED_PLANS = [
+    ["--params", "7e9", "--devices", "8", "--gpu-mem", "80GB"],  # fits without offload (stage 2)
+    ["--params", "7e9", "--gpu-mem", "80GB"],  # one device: needs offload
+    ["--params", "13e9", "--gpu-mem", "40GB", "--micro-batch", "2"],  # needs both offloads and recompute
+    ["--params", "70e9", "--gpus", "16", "--gpu-mem", "80GB", "--seq-len", "4096"],
+    ["--params", "7e9", "--gpu-mem", "16GB"],  # nothing fits: the fewest bytes
+    ["--model", "lightning_shard.demos.gpt.GPT", "--model.n_layers", "6", "--gpu-mem", "20MB"],
+    ["--params", "1e9", "--devices", "2", "--gpu-mem", "80GB", "--precision", "16-mixed", "--engine", "deepspeed"],
+    ["--params", "3e9", "--gpu-mem", "24GB", "--precision", "bf16-true"],
+    ["--params", "3e9", "--gpu-mem", "24GB", "--offload-optimizer", "cpu", "--offload-params", "none"],
+    ["--params", "7e9", "--gpu-mem", "24GB", "--nvme-path", "{nvme}", "--offload-optimizer", "nvme", "--offload-params", "nvme"],
+]  # fmt: skip
+
+
+def _same_strategy(a: ShardStrategy, b: ShardStrategy) -> bool:
+    def flags(s: ShardStrategy) -> tuple:
+        ckpt = s.config.activation_checkpointing
+        return (
+            s.stage,
+            s.engine_name,
+            s.offload_optimizer,
+            s.offload_params,
+            s.nvme_path,
+            ckpt and ckpt.policy,
+        )
+
+    return flags(a) == flags(b)
+
+
+def _trainer_accepts(strategy: ShardStrategy, precision: str) -> None:
+    """What a Trainer checks when it is built (precision against the engine), as far as a CPU allows."""
+    if precision == "16-mixed":  # Lightning refuses fp16 AMP on CPU itself: ask the engine directly
+        from lightning_shard.engines import engine_class
+
+        engine = engine_class(strategy.engine_name)
+        engine.check_precision(strategy.stage, engine.precision_class(precision))
+        return
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, logger=False)
+
+
+@pytest.mark.parametrize("deepspeed", [True, False], ids=["deepspeed", "no-deepspeed"])
+@pytest.mark.parametrize("argv", PRINTED_PLANS, ids=lambda argv: " ".join(argv[:6]))
+def test_every_printed_recommendation_constructs_that_strategy(capfd, monkeypatch, tmp_path, argv, deepspeed):
+    # capfd, not capsys: DeepSpeed's libaio probe compiles a test program and needs a real stderr.
+    argv = [arg.format(nvme=tmp_path) for arg in argv]
+    needs_deepspeed = "deepspeed" in argv or "nvme" in argv or argv[-2:] == ["--offload-params", "none"]
+    if "nvme" in argv and deepspeed and not _libaio():
+        pytest.skip("NVMe offload needs libaio")
+    if not deepspeed:
+        _hide_deepspeed(monkeypatch)
+    code, out, err = _cli(capfd, *argv)
+    if needs_deepspeed and not deepspeed:  # no recommendation, but the package to install
+        assert code == 2 and "it is not installed. Run: pip install --no-build-isolation" in err
+        return
+    assert code == 0, err
+    (line,) = re.findall(r"^recommended: (ShardStrategy\(.*\))  \(", out, re.M)
+    printed = eval(line, {"ShardStrategy": ShardStrategy})
+    parser = cli._parser()
+    args, extras = parser.parse_known_args(["plan", *argv])
+    kwargs = cli._plan_kwargs(args, extras)
+    kwargs.pop("_note")
+    result = plan(**kwargs)
+    built = ShardStrategy(**result.strategy_kwargs())
+    assert result.strategy == line and _same_strategy(printed, built)
+    _trainer_accepts(built, args.precision)
+    if not deepspeed:
+        assert built.engine_name == "fsdp"
+    # Every row the table and the JSON show as runnable is one the strategy accepts, too.
+    code, out, _ = _cli(capfd, *argv, "--json")
+    rows = json.loads(out)["stages"]
+    for row in rows:
+        if row["unsupported"] is None:
+            _trainer_accepts(eval(row["strategy"], {"ShardStrategy": ShardStrategy}), args.precision)
+
+
+@pytest.mark.parametrize("engine", ["auto", "fsdp", "deepspeed"])
+def test_planner_refuses_exactly_what_the_strategy_refuses(engine, tmp_path):
+    nvme = _libaio()
+    devices = ("none", "cpu", "nvme") if nvme else ("none", "cpu")
+    for stage in (0, 1, 2, 3):
+        for opt in devices:
+            for params in devices:
+                flags = {
+                    k: v for k, v in (("offload_optimizer", opt), ("offload_params", params)) if v != "none"
+                }
+                if "nvme" in flags.values():
+                    flags["nvme_path"] = str(tmp_path)
+                try:
+                    ShardStrategy(stage=stage, engine=engine, **flags)
+                    strategy_error = None
+                except ValueError as err:
+                    strategy_error = str(err)
+                try:
+                    kwargs = plan(
+                        1e9, device_memory="1TB", stage=stage, offload_optimizer=opt, offload_params=params,
+                        activation_checkpointing="none", engine=engine, nvme_path=str(tmp_path),
+                    ).strategy_kwargs()  # fmt: skip
+                    assert kwargs == {
+                        "stage": stage,
+                        **({"engine": engine} if engine != "auto" else {}),
+                        **flags,
+                    }
+                    plan_error = None
+                except PlanInputError as err:
+                    plan_error = str(err)
+                assert (plan_error is None) == (strategy_error is None), (stage, opt, params, plan_error)
+                if plan_error is not None:
+                    assert plan_error == f"plan(stage={stage}): {strategy_error}"
+
+
+def test_without_deepspeed_the_plan_says_what_to_install(capsys, monkeypatch):
+    _hide_deepspeed(monkeypatch)
+    result = plan(7e9, device_memory="80GB")
+    # Optimizer-only CPU offload (DeepSpeed) would fit with one offload fewer than what is recommended.
+    assert result.strategy == 'ShardStrategy(stage=3, offload_optimizer="cpu", offload_params="cpu")'
+    (note,) = [n for n in result.notes if "refuses" in n]
+    assert note.startswith('ShardStrategy(stage=3, offload_optimizer="cpu") would fit')
+    assert "pip install --no-build-isolation 'lightning-shard[deepspeed]'" in note
+    argv = ["--params", "7e9", "--gpu-mem", "80GB", "--offload-optimizer", "cpu", "--offload-params", "none"]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and "it is not installed. Run: pip install --no-build-isolation" in err and out == ""
+
+
+def test_refused_rows_show_the_strategys_reason(monkeypatch):
+    _hide_deepspeed(monkeypatch)
+    result = plan(7e9, device_memory="80GB", offload_optimizer="cpu", offload_params="auto")
+    # Stage 0 cannot offload the optimizer at all; stages 1-2 only alone, which needs DeepSpeed.
+    assert result.stages[0].unsupported.startswith("ShardStrategy(offload_optimizer='cpu') needs stage >= 1")
+    for row in result.stages[1:3]:
+        assert row.unsupported.startswith("ShardStrategy needs DeepSpeed for these flags")
+    assert re.search(
+        r"^1 +opt->cpu( ckpt:\w+)? +- .* n/a: ShardStrategy needs DeepSpeed", result.table(), re.M
+    )
+    assert result.recommended.config == Config(
+        3, "cpu", "cpu", result.recommended.config.activation_checkpointing
+    )
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_auto_stage_picks_only_a_stage_the_engine_accepts(precision):
+    """``stage="auto"`` with DeepSpeed (chosen by optimizer-only offload) and fp16 must not pick stage 0."""
+    from types import SimpleNamespace
+
+    from lightning_shard.config import ShardConfig
+    from lightning_shard.engines import engine_class
+    from lightning_shard.planner import auto_stage
+
+    config = ShardConfig.from_flags(stage="auto", offload_optimizer="cpu", device_memory="1TB")
+    engine = engine_class(config.engine)
+    strategy = SimpleNamespace(
+        config=config,
+        lightning_module=tiny_gpt(),
+        root_device=torch.device("cpu"),
+        world_size=2,
+        num_processes=2,
+        precision_plugin=engine.precision_class(precision),
+    )
+    stage, checkpointing = auto_stage.choose_for(strategy, SimpleNamespace())  # no data: model state only
+    ShardStrategy(stage=stage, offload_optimizer="cpu", activation_checkpointing=checkpointing)
+    engine.check_precision(stage, strategy.precision_plugin)
+    try:
+        ShardStrategy(stage=0, offload_optimizer="cpu")
+        lowest = 1 if precision == "16-mixed" else 0  # DeepSpeed cannot run fp16 without ZeRO
+    except ValueError:
+        lowest = 1  # the strategy refuses optimizer offload at stage 0 altogether
+    assert stage == lowest and checkpointing is None  # 1 TB: everything fits, no recompute needed
+
+
 # --- at scale, on paper --------------------------------------------------------------------------------
 
 
@@ -281,7 +473,7 @@ def test_parameter_count_from_a_shape_counts_real_gpt2_blocks():
 
 
 def test_shape_read_from_a_meta_model():
-    model = build_on_meta("examples.gpt.GPTModule", {"n_layers": 3, "d_model": 96, "n_heads": 3})
+    model = build_on_meta("lightning_shard.demos.GPTModule", {"n_layers": 3, "d_model": 96, "n_heads": 3})
     shape = shape_from_module(model)
     assert next(model.parameters()).device.type == "meta"
     assert (shape.layers, shape.hidden, shape.heads, shape.vocab, shape.seq_len, shape.ffn) == (
@@ -296,10 +488,10 @@ def test_shape_read_from_a_meta_model():
 
 
 def test_available_device_memory_on_cpu_is_available_ram_per_local_rank(monkeypatch):
-    from lightning_shard import planner
+    from lightning_shard.planner import device
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(planner, "_available_ram", lambda: 12 * 2**30)
+    monkeypatch.setattr(device, "_available_ram", lambda: 12 * 2**30)
     assert available_device_memory("cpu") == 12 * 2**30
     assert available_device_memory("cpu", local_world_size=4) == 3 * 2**30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # what torchrun sets
@@ -307,7 +499,7 @@ def test_available_device_memory_on_cpu_is_available_ram_per_local_rank(monkeypa
 
 
 def test_available_ram_is_the_kernels_memavailable():
-    from lightning_shard.planner import _available_ram
+    from lightning_shard.planner.device import _available_ram
 
     def memavailable() -> int:
         with open("/proc/meminfo") as f:
@@ -339,7 +531,8 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_cli_table_and_strategy_line(capsys):
-    code, out, _ = _cli(capsys, "--params", "7e9", "--devices", "8", "--gpu-mem", "80GB")
+    no_offload = ["--offload-optimizer", "none", "--offload-params", "none"]
+    code, out, _ = _cli(capsys, "--params", "7e9", "--devices", "8", "--gpu-mem", "80GB", *no_offload)
     assert code == 0
     header = "stage  flags parameters gradients optimizer model state activations buffers total fits"
     assert re.search(r"^" + r"\s+".join(header.split()) + r"$", out, re.M)
@@ -355,7 +548,7 @@ def test_cli_builds_a_model_from_its_class_path(capsys):
     code, out, _ = _cli(
         capsys,
         "--model",
-        "examples.gpt.GPT",
+        "lightning_shard.demos.GPT",
         "--model.n_layers",
         "6",
         "--model.d_model=256",
@@ -366,12 +559,15 @@ def test_cli_builds_a_model_from_its_class_path(capsys):
     assert code == 0
     model = json.loads(out)["model"]
     assert model["params"] == sum(p.numel() for p in GPT(n_layers=6, d_model=256).parameters())
-    assert (model["layers"], model["hidden"], model["source"]) == (6, 256, "examples.gpt.GPT")
+    assert (model["layers"], model["hidden"], model["source"]) == (6, 256, "lightning_shard.demos.GPT")
 
 
 JSON_KEYS = {
     "": {"version", "model", "inputs", "stages", "recommended", "strategy", "fits", "communication", "layout", "notes"},
-    "inputs": {"world_size", "device_memory", "usable_memory", "margin", "precision", "optimizer", "micro_batch", "seq_len"},
+    "inputs": {
+        "world_size", "device_memory", "usable_memory", "margin", "precision", "optimizer", "micro_batch", "seq_len",
+        "engine", "nvme_path",
+    },
     "row": {
         "stage", "offload_optimizer", "offload_params", "activation_checkpointing", "strategy", "parameters",
         "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
@@ -435,7 +631,10 @@ def test_plot_without_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
         ),
         (["--params", "7e9", "--gpus", "16", "--devices", "8", "--gpu-mem", "80GB"], "--gpus 16 disagrees"),
         (["--model", "nope.Foo", "--gpu-mem", "8GB"], "could not be imported"),
-        (["--model", "examples.gpt.GPT", "--model.n_layers", "x", "--gpu-mem", "8GB"], "could not be built"),
+        (
+            ["--model", "lightning_shard.demos.GPT", "--model.n_layers", "x", "--gpu-mem", "8GB"],
+            "could not be built",
+        ),
         (["--params", "7e9", "--stage", "5", "--gpu-mem", "8GB"], "--stage: invalid choice: '5'"),
         (
             ["--params", "7e9", "--activation-checkpointing", "most", "--gpu-mem", "8GB"],
@@ -476,7 +675,7 @@ def test_consolidate_still_reports_a_missing_checkpoint(capsys, tmp_path):
         (lambda: build_on_meta("GPT"), r"is not an import path"),
         (lambda: build_on_meta("nope.Foo"), r"could not be imported \(No module named 'nope'\)"),
         (lambda: build_on_meta("collections.OrderedDict"), r"not an nn.Module subclass"),
-        (lambda: build_on_meta("examples.gpt.GPT", {"n_layers": "x"}), r"could not be built"),
+        (lambda: build_on_meta("lightning_shard.demos.GPT", {"n_layers": "x"}), r"could not be built"),
         (
             lambda: plan(7e9, world_size=0, device_memory="8GB"),
             r"plan\(world_size=0\) must be a whole number >= 1",
@@ -495,8 +694,23 @@ def test_consolidate_still_reports_a_missing_checkpoint(capsys, tmp_path):
             r"activation_checkpointing='some'",
         ),
         (lambda: plan(7e9, margin=1.0, device_memory="8GB"), r"plan\(margin=1.0\) must be a fraction"),
-        (lambda: plan(7e9, stage=0, offload_optimizer="cpu", device_memory="8GB"), r"needs stage >= 1"),
-        (lambda: plan(7e9, stage=2, offload_optimizer="nvme", device_memory="8GB"), r'"nvme" needs stage=3'),
+        (
+            lambda: plan(7e9, stage=2, offload_params="cpu", device_memory="8GB"),
+            r"plan\(stage=2\): ShardStrategy\(offload_params='cpu'\) needs stage=3 \(got stage=2\)",
+        ),
+        (
+            lambda: plan(7e9, stage=2, offload_optimizer="nvme", device_memory="8GB"),
+            r"with NVMe needs stage=3 \(got stage=2\)",
+        ),
+        (lambda: plan(7e9, offload_optimizer="nvme", device_memory="8GB"), r"'nvme'\) needs nvme_path"),
+        (
+            lambda: plan(7e9, engine="megatron", device_memory="8GB"),
+            r"plan\(engine='megatron'\) is not one of",
+        ),
+        (
+            lambda: plan(7e9, precision="bf16-true", engine="deepspeed", device_memory="8GB"),
+            r"engine='deepspeed'\) cannot run precision='bf16-true'",
+        ),
         (
             lambda: plan(module=torch.nn.Linear(4, 4), activation_checkpointing="full", device_memory="8GB"),
             r"needs repeated blocks",

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from lightning_shard import ShardPrecision
-from lightning_shard.engines.deepspeed import DeepSpeedEngine
+from lightning_shard.engines import TrainSettings
+from tests.helpers import make_engine
 
 
 def _config(stage: int, precision: ShardPrecision) -> dict:
-    return DeepSpeedEngine(stage, precision).config(1, None, None, torch.device("cpu"))
+    return make_engine("deepspeed", stage, precision).ds_config(TrainSettings())
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_deepspeed_fp16_without_zero_is_refused():
         ValueError,
         match=r"ShardStrategy\(stage=0, engine='deepspeed'\) cannot run precision='16-mixed'.*Use stage=1 or higher",
     ):
-        DeepSpeedEngine(0, ShardPrecision("16-mixed"))
+        make_engine("deepspeed", 0, ShardPrecision("16-mixed"))
 
 
 def test_deepspeed_reduce_dtype_it_cannot_communicate_is_refused():
@@ -47,4 +48,24 @@ def test_deepspeed_reduce_dtype_it_cannot_communicate_is_refused():
         ValueError,
         match=r"ShardPrecision\(reduce_dtype=torch.float64\) is not available with engine='deepspeed'",
     ):
-        DeepSpeedEngine(2, ShardPrecision("bf16-mixed", reduce_dtype=torch.float64))
+        make_engine("deepspeed", 2, ShardPrecision("bf16-mixed", reduce_dtype=torch.float64))
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_precision_refusals_fail_when_the_trainer_is_built():
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+
+    with pytest.raises(ValueError, match=r"cannot run precision='bf16-true'"):
+        L.Trainer(
+            accelerator="cpu", strategy=ShardStrategy(stage=2, engine="deepspeed"), precision="bf16-true"
+        )
+    with pytest.raises(
+        ValueError, match=r"ShardStrategy\(stage=0, engine='deepspeed'\) cannot run precision='16-mixed'"
+    ):
+        L.Trainer(
+            accelerator="cpu",
+            strategy=ShardStrategy(stage=0, engine="deepspeed"),
+            plugins=[ShardPrecision("16-mixed")],
+        )

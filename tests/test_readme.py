@@ -58,7 +58,9 @@ def test_main_job_and_consolidate(tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     argv = _python_part(_quickstart_commands()[0])
     assert argv[:2] == ["python", "examples/train_gpt.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # No PYTHONPATH: the demo model comes from the installed package, as it does for a user.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     overrides = [
@@ -91,8 +93,7 @@ def test_main_job_and_consolidate(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
-    sys.path.insert(0, str(ROOT))
-    from examples.gpt import GPTModule
+    from lightning_shard.demos import GPTModule
 
     GPTModule(n_layers=2).load_state_dict(weights)
 
@@ -100,8 +101,8 @@ def test_main_job_and_consolidate(tmp_path):
 def test_every_stage_config_parses():
     from lightning.pytorch.cli import LightningCLI
 
-    from examples.gpt import GPTModule, TextDataModule
     from lightning_shard import ShardStrategy
+    from lightning_shard.demos import GPTModule, TextDataModule
 
     for stage in range(4):
         cli = LightningCLI(

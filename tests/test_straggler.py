@@ -9,10 +9,10 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from _dist import run_ranks
-from test_mfu import BATCH, SEQ, ClockedGPT, FakeClock, fit, loader
 
 from lightning_shard import MFUMonitor, StragglerDetector
+from tests._dist import run_ranks
+from tests.test_mfu import BATCH, SEQ, ClockedGPT, FakeClock, fit, loader
 
 
 def test_per_rank_time_from_fake_clock_is_exact():
@@ -39,7 +39,10 @@ def test_bad_threshold(value):
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])
 def test_bad_every_n_steps(value):
-    with pytest.raises(ValueError, match=r"StragglerDetector\(every_n_steps=.*\) must be an int >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"StragglerDetector\(every_n_steps=.*\) must be an int >= 1.*Use e.g. every_n_steps=50",
+    ):
         StragglerDetector(every_n_steps=value)
 
 

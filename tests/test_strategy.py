@@ -6,11 +6,10 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
-from examples.gpt import Block
 from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard._modules import detect_block_classes, find_blocks, resolve_module_classes
-from lightning_shard.engines.fsdp import FSDPEngine
-from tests.helpers import tiny_gpt
+from lightning_shard.demos import Block
+from tests.helpers import make_engine, tiny_gpt
 
 
 @pytest.mark.parametrize("stage", [-1, 4, "3", True, 2.5])
@@ -80,20 +79,20 @@ def test_shard_precision_bad_values():
 
 
 def test_shard_modules_accepts_import_paths_and_classes():
-    assert ShardStrategy(shard_modules=["examples.gpt.Block"])._shard_modules == (Block,)
-    assert ShardStrategy(shard_modules={Block})._shard_modules == (Block,)
-    assert resolve_module_classes("examples.gpt.Block", "flag") == (Block,)
+    assert ShardStrategy(shard_modules=["lightning_shard.demos.Block"]).config.shard_modules == (Block,)
+    assert ShardStrategy(shard_modules={Block}).config.shard_modules == (Block,)
+    assert resolve_module_classes("lightning_shard.demos.Block", "flag") == (Block,)
 
 
 @pytest.mark.parametrize(
     "spec, match",
     [
         (
-            ["examples.gpt.NoSuchBlock"],
-            r"shard_modules=...\) entry 'examples.gpt.NoSuchBlock' could not be imported",
+            ["lightning_shard.demos.NoSuchBlock"],
+            r"shard_modules=...\) entry 'lightning_shard.demos.NoSuchBlock' could not be imported",
         ),
         (["Block"], r"entry 'Block' is not an import path"),
-        (["examples.gpt.generate_text"], r"is .* not an nn.Module subclass"),
+        (["lightning_shard.demos.gpt.generate_text"], r"is .* not an nn.Module subclass"),
         ([3], r"entry 3 is neither an nn.Module subclass nor an import-path string"),
         ([], r"shard_modules=...\) is empty"),
     ],
@@ -111,15 +110,15 @@ def test_block_detection_finds_the_repeated_layer():
 
 
 def test_shard_modules_matching_nothing_fails():
-    engine = FSDPEngine(3, mesh=None, precision=ShardPrecision(), shard_modules=(nn.GRU,))
+    engine = make_engine("fsdp", 3, shard_modules=(nn.GRU,))
     with pytest.raises(ValueError, match=r"shard_modules=\{GRU\}\) matches no submodule of GPTModule"):
-        engine.wrap(tiny_gpt())
+        engine.setup_module(tiny_gpt())
 
 
 def test_nothing_to_shard_fails():
     model = tiny_gpt().requires_grad_(False)
     with pytest.raises(ValueError, match=r"stage=3\) found no trainable parameters in GPTModule"):
-        FSDPEngine(3, mesh=None, precision=ShardPrecision()).wrap(model)
+        make_engine("fsdp", 3).setup_module(model)
 
 
 def test_auto_stage_flags():

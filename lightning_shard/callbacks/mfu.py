@@ -61,9 +61,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_shard.callbacks._flops import StepFlopCounter, batch_shape
+from lightning_shard._batch import batch_shape
+from lightning_shard.callbacks._common import check_count, gather_rows
+from lightning_shard.callbacks._flops import StepFlopCounter
 from lightning_shard.callbacks._peaks import ComputeDtype, compute_dtype, probe_cpu_peak, table_peak
-from lightning_shard.callbacks.straggler import _gather_rows
 
 
 class _Record(NamedTuple):
@@ -112,9 +113,9 @@ class MFUMonitor(Callback):
         )
         if tokens_fn is not None and not callable(tokens_fn):
             raise ValueError(f"MFUMonitor(tokens_fn={tokens_fn!r}) must be a callable(batch) -> int or None.")
-        _check_count("window", window, "MFUMonitor")
+        check_count("MFUMonitor", "window", window, example=20)
         if log_every_n_steps is not None:
-            _check_count("log_every_n_steps", log_every_n_steps, "MFUMonitor")
+            check_count("MFUMonitor", "log_every_n_steps", log_every_n_steps, example=50)
         self.flops_per_batch = flops_per_batch
         self.peak_flops = peak_flops
         self.tokens_fn = tokens_fn
@@ -250,7 +251,7 @@ class MFUMonitor(Callback):
             self.device_peak or 0.0,
             _peak_memory_bytes(self._device),
         ]
-        rows = _gather_rows(trainer, local)
+        rows = gather_rows(trainer, local)
         self.metrics = _window_metrics(rows, len(recs))
         for logger in trainer.loggers:
             logger.log_metrics(self.metrics, step=trainer.global_step)
@@ -324,8 +325,3 @@ def _check_positive(flag: str, value: Any, fix: str) -> None:
     )
     if not ok:
         raise ValueError(f"MFUMonitor({flag}={value!r}) must be a positive finite number. Pass {fix}.")
-
-
-def _check_count(flag: str, value: Any, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}({flag}={value!r}) must be an int >= 1 (a number of training batches).")

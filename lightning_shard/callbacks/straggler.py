@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -35,17 +35,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_shard.callbacks._common import check_count, gather_rows
+
 _HOST_BYTES = 64
-
-
-def _gather_rows(trainer: L.Trainer, values: Sequence[float]) -> torch.Tensor:
-    """All ranks' ``values`` as a (world_size, len(values)) CPU float64 tensor, from one all_gather."""
-    device = trainer.strategy.root_device
-    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    local = torch.tensor([float(v) for v in values], dtype=dtype, device=device)
-    if trainer.world_size == 1:
-        return local.view(1, -1).double().cpu()
-    return trainer.strategy.all_gather(local).reshape(-1, len(values)).double().cpu()
 
 
 class StragglerDetector(Callback):
@@ -71,11 +63,7 @@ class StragglerDetector(Callback):
                 f"StragglerDetector(threshold={threshold!r}) must be a finite number > 1: it is how many times"
                 " the median time a rank may take before it is flagged. Use e.g. threshold=1.2."
             )
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"StragglerDetector(every_n_steps={every_n_steps!r}) must be an int >= 1 (training batches"
-                " between comparisons). Use e.g. every_n_steps=50."
-            )
+        check_count("StragglerDetector", "every_n_steps", every_n_steps, example=50)
         self.threshold = float(threshold)
         self.every_n_steps = every_n_steps
         self._clock: Callable[[], float] = time.perf_counter  # tests inject a fake clock
@@ -102,7 +90,7 @@ class StragglerDetector(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._cuda = trainer.strategy.root_device.type == "cuda"
         name = socket.gethostname().encode("utf-8")[:_HOST_BYTES]
-        rows = _gather_rows(trainer, list(name.ljust(_HOST_BYTES, b"\0")))
+        rows = gather_rows(trainer, list(name.ljust(_HOST_BYTES, b"\0")))
         self._hosts = [bytes(int(b) for b in row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]
         self._reset_window()
         self._last_end, self._batches = None, 0
@@ -166,7 +154,7 @@ class StragglerDetector(Callback):
         data_ms = 1e3 * self._sum_data / max(self._n_data, 1)
         compute_ms = 1e3 * compute_s / self._n
         self._reset_window()
-        rows = _gather_rows(trainer, [data_ms + compute_ms, data_ms, compute_ms])
+        rows = gather_rows(trainer, [data_ms + compute_ms, data_ms, compute_ms])
         self.rank_ms = rows[:, 0].tolist()
         median = float(rows[:, 0].median())  # the lower middle value for an even world size
         self.metrics = {f"straggler/rank{r}_ms": ms for r, ms in enumerate(self.rank_ms)}

@@ -26,78 +26,73 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_shard import checkpoint as ckpt
 from lightning_shard import offload
-from lightning_shard.checkpoint import DEEPSPEED_TAG
-from lightning_shard.precision import ShardPrecision
+from lightning_shard._optim import rebind_schedulers
+from lightning_shard.checkpoint.weights import deepspeed_model_states
+from lightning_shard.engines._deepspeed_precision import COMM_DTYPES, DeepSpeedPrecision, check_precision
+from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 
 log = logging.getLogger(__name__)
-TAG = DEEPSPEED_TAG
+TAG = ckpt.DEEPSPEED_TAG
 _STALE_LOCK_SECONDS = 30 * 60
-_COMM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-class DeepSpeedEngine:
-    """Builds the DeepSpeed config from ShardStrategy's flags and drives ``DeepSpeedEngine``."""
+class DeepSpeedEngine(Engine):
+    """Builds the DeepSpeed config from ShardStrategy's flags and drives ``deepspeed.initialize``'s engine."""
 
-    def __init__(
-        self,
-        stage: int,
-        precision: ShardPrecision,
-        offload_optimizer: str | None = None,
-        offload_params: str | None = None,
-        nvme_path: str | None = None,
-        pin_memory: bool | None = None,
-        rank: int = 0,
-    ) -> None:
-        if precision.precision == "bf16-true":
-            raise ValueError(
-                "ShardStrategy(engine='deepspeed') cannot run precision='bf16-true': DeepSpeed always keeps fp32 master"
-                " weights. Use 'bf16-mixed', or engine='fsdp' for bf16-true."
-            )
-        if precision.precision == "16-mixed" and stage == 0:
-            # DeepSpeed's fp16 optimizer without ZeRO divides every gradient by the loss scale in step(),
-            # but engine.backward() only scales the loss for ZeRO optimizers: each update comes out
-            # 65536x too small and the weights never move (DeepSpeed 0.19; deepspeedai/DeepSpeed#8393).
-            raise ValueError(
-                "ShardStrategy(stage=0, engine='deepspeed') cannot run precision='16-mixed': without ZeRO,"
-                " DeepSpeed unscales fp16 gradients that its backward never scaled, so training stalls."
-                " Use stage=1 or higher, precision='bf16-mixed', or engine='fsdp' for stage 0."
-            )
-        if precision.reduce_dtype is not None and precision.reduce_dtype not in _COMM_DTYPES:
-            raise ValueError(
-                f"ShardPrecision(reduce_dtype={precision.reduce_dtype}) is not available with engine='deepspeed',"
-                " which reduces gradients in torch.float32, torch.bfloat16 or torch.float16. Use one of those."
-            )
-        self.stage = stage
-        self.precision = precision
-        self.offload_optimizer = offload_optimizer
-        self.offload_params = offload_params
-        self.nvme_path = nvme_path
-        self.pin_memory = pin_memory
-        self.rank = rank
+    owns_step = True
+    precision_class = DeepSpeedPrecision
+
+    @classmethod
+    def check_precision(cls, stage: int | str, precision: Any) -> None:
+        check_precision(stage, precision)
+
+    def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
+        super().__init__(config, precision, run)
+        check_precision(self.stage, precision)
         self._backwards = 0  # backward calls since the last optimizer step
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def config(
-        self, accumulate: int, clip_val: float | None, clip_algorithm: str | None, device: torch.device
-    ) -> dict:
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        # DeepSpeed wraps the module together with its optimizer (setup_optimizers); evaluation outside
+        # fit runs the module as it is, on the device, under the precision plugin's autocast.
+        return module.to(self.run.device)
+
+    def setup_optimizers(
+        self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        config = self.ds_config(settings)
+        engine, ds_optimizer, client_optimizer = self._initialize(model, optimizers, config)
+        # Schedulers follow the optimizer DeepSpeed steps (CPU-Adam when the optimizer is offloaded).
+        rebind_schedulers(schedulers, optimizers, [client_optimizer])
+        if isinstance(self.precision, DeepSpeedPrecision):
+            self.precision.engine_started(settings.gradient_clip_val)
+        return engine, [ds_optimizer]
+
+    def ds_config(self, settings: TrainSettings) -> dict:
+        """DeepSpeed's JSON config for these flags and the Trainer's accumulation and clipping."""
+        accumulate, clip_val = settings.accumulate_grad_batches, settings.gradient_clip_val
+        clip_algorithm, device = settings.gradient_clip_algorithm, self.run.device
         if clip_val and clip_algorithm not in (None, "norm"):
             raise ValueError(
                 f"Trainer(gradient_clip_algorithm={clip_algorithm!r}) is not available with engine='deepspeed',"
                 " which clips by norm only. Use gradient_clip_algorithm='norm'."
             )
         zero: dict[str, Any] = {"stage": self.stage}
-        pin = self.pin_memory if self.pin_memory is not None else device.type == "cuda"
+        pin = self.config.pin_memory if self.config.pin_memory is not None else device.type == "cuda"
         for flag, key in (
-            (self.offload_optimizer, "offload_optimizer"),
-            (self.offload_params, "offload_param"),
+            (self.config.offload_optimizer, "offload_optimizer"),
+            (self.config.offload_params, "offload_param"),
         ):
             if flag is not None:
                 zero[key] = {"device": flag, "pin_memory": pin}
                 if flag == "nvme":
-                    assert self.nvme_path is not None
-                    zero[key]["nvme_path"] = str(offload.swap_dir(self.nvme_path, self.rank))
+                    assert self.config.nvme_path is not None
+                    zero[key]["nvme_path"] = str(
+                        offload.swap_dir(self.config.nvme_path, self.run.global_rank)
+                    )
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": accumulate,
@@ -114,8 +109,8 @@ class DeepSpeedEngine:
             config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
         reduce_dtype = self.precision.reduce_dtype or (torch.float32 if self.precision.is_mixed else None)
         if reduce_dtype is not None:
-            config["communication_data_type"] = _COMM_DTYPES[reduce_dtype]
-        if "nvme" in (self.offload_optimizer, self.offload_params):
+            config["communication_data_type"] = COMM_DTYPES[reduce_dtype]
+        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
             config["aio"] = {
                 "block_size": 1 << 20,
                 "queue_depth": 8,
@@ -127,19 +122,12 @@ class DeepSpeedEngine:
     def _swap_bytes(self, module: nn.Module, world_size: int) -> int:
         """This rank's bytes on NVMe: fp32 master + two Adam moments (12 B/param), fp32 parameters (4 B)."""
         numel = sum(p.numel() for p in module.parameters()) / max(world_size, 1)
-        per_param = (12 if self.offload_optimizer == "nvme" else 0) + (
-            4 if self.offload_params == "nvme" else 0
+        per_param = (12 if self.config.offload_optimizer == "nvme" else 0) + (
+            4 if self.config.offload_params == "nvme" else 0
         )
         return int(numel * per_param)
 
-    def initialize(
-        self,
-        module: nn.Module,
-        optimizers: list[Optimizer],
-        config: dict,
-        process_backend: str,
-        world_size: int = 1,
-    ) -> tuple:
+    def _initialize(self, module: nn.Module, optimizers: list[Optimizer], config: dict) -> tuple:
         import deepspeed
 
         if len(optimizers) != 1:
@@ -147,18 +135,23 @@ class DeepSpeedEngine:
                 f"ShardStrategy(engine='deepspeed') trains with exactly one optimizer; configure_optimizers returned"
                 f" {len(optimizers)}. Return one optimizer (with param groups), or use engine='fsdp'."
             )
-        if "nvme" in (self.offload_optimizer, self.offload_params):
-            assert self.nvme_path is not None
-            offload.clear_swap(self.nvme_path, self.rank, remove_parent=False)  # a crashed run's leftovers
-            offload.check_nvme_path(self.nvme_path, self._swap_bytes(module, world_size))
-            offload.swap_dir(self.nvme_path, self.rank).mkdir(parents=True, exist_ok=True)
-        deepspeed.init_distributed(dist_backend=process_backend, auto_mpi_discovery=False, verbose=False)
+        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
+            assert self.config.nvme_path is not None
+            offload.clear_swap(
+                self.config.nvme_path, self.run.global_rank, remove_parent=False
+            )  # a crashed run's leftovers
+            offload.check_nvme_path(self.config.nvme_path, self._swap_bytes(module, self.run.world_size))
+            offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
+        deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
         optimizer = self._offload_optimizer(optimizers[0])
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine, ds_optimizer, optimizer
 
     def _offload_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.offload_optimizer is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        if self.config.offload_optimizer is None or type(optimizer) not in (
+            torch.optim.Adam,
+            torch.optim.AdamW,
+        ):
             return optimizer
         clear_stale_build_locks()
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -178,7 +171,7 @@ class DeepSpeedEngine:
 
     # --- training --------------------------------------------------------------------------------
 
-    def backward(self, engine: Any, loss: torch.Tensor, manual: bool = False) -> None:
+    def backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:
         self._backwards += 1
         if manual and self._backwards > 1 and self.stage in (1, 2):
             # ZeRO-1/2 reduce and partition gradients at every backward that DeepSpeed takes for an
@@ -191,56 +184,84 @@ class DeepSpeedEngine:
             )
         # Lightning's loop has already divided the loss by accumulate_grad_batches; DeepSpeed would
         # divide it again by gradient_accumulation_steps (the same number) and halve every gradient.
-        engine.backward(loss, scale_wrt_gas=False)
+        model.backward(loss, scale_wrt_gas=False)  # type: ignore[operator]
 
-    def step(self, engine: Any) -> None:
+    def step(self, model: nn.Module, optimizer: Optimizer) -> None:
         self._backwards = 0
-        engine.step()
+        model.step()  # type: ignore[operator]
 
     # --- checkpoints -----------------------------------------------------------------------------
 
-    @staticmethod
-    def save(engine: Any, tmp: Path, client_state: dict[str, Any]) -> None:
-        engine.save_checkpoint(str(tmp), tag=TAG, client_state=client_state)
-
-    @staticmethod
-    def save_committed(
-        engine: Any, path: Path, checkpoint: dict[str, Any], is_rank0: bool, barrier: Any
+    def save_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
     ) -> None:
-        """DeepSpeed's per-rank checkpoint, written under ``NAME.tmp`` and renamed once every rank is done."""
-        from lightning_shard import checkpoint as ckpt
-
+        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename)."""
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
         checkpoint.pop("optimizer_states", None)
-        tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
-        if is_rank0:
-            ckpt.remove(tmp)
-        barrier()
-        engine.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)
-        barrier()
-        if is_rank0:
-            ckpt.commit(tmp, path)
-        barrier()
 
-    @staticmethod
-    def load(engine: Any, path: Path) -> dict[str, Any]:
-        load_path, client_state = engine.load_checkpoint(str(path), tag=TAG, load_lr_scheduler_states=False)
+        def write(tmp: Path) -> None:
+            model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
+
+        ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
+
+    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
+        ckpt.check_deepspeed_checkpoint(path)
+        if not hasattr(model, "load_checkpoint"):
+            return self._load_weights_only(model, path)
+        load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
+            str(path), tag=TAG, load_lr_scheduler_states=False
+        )
         if load_path is None:
             raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
         return client_state
 
+    def _load_weights_only(self, model: nn.Module, path: Path) -> dict[str, Any]:
+        """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more)."""
+        weights = ckpt.load_model_weights(path)
+        model.load_state_dict({k: v.to(self.run.device) for k, v in weights.items()})
+        state = deepspeed_model_states(path)
+        # What Lightning saved beside the weights (loops, callbacks, hyperparameters); DeepSpeed's own
+        # entries (module, optimizer, its counters) are not Lightning's.
+        ds_keys = {
+            "module",
+            "optimizer",
+            "lr_scheduler",
+            "buffer_names",
+            "param_shapes",
+            "frozen_param_shapes",
+            "shared_params",
+            "frozen_param_fragments",
+            "ds_config",
+            "ds_version",
+            "csr_tensor_module_names",
+            "skipped_steps",
+            "global_steps",
+            "global_samples",
+            "dp_world_size",
+            "mp_world_size",
+            "data_sampler",
+            "random_ltd",
+            "sparse_tensor_module_names",
+        }
+        return {k: v for k, v in state.items() if k not in ds_keys}
+
+    def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
+        return {}  # DeepSpeed writes model and optimizer state itself, per rank
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+        return {}
+
     # --- accounting ------------------------------------------------------------------------------
 
-    def state_bytes(self, engine: Any) -> dict[str, dict[str, int]]:
-        """Bytes of parameters and optimizer state this rank holds, by where they live."""
-        where: dict[str, dict[str, int]] = {
-            "parameters": {"accelerator": 0, "host": 0, "nvme": 0},
-            "optimizer": {"accelerator": 0, "host": 0, "nvme": 0},
-        }
-        for p in engine.module.parameters():
-            local = getattr(p, "ds_tensor", p)
-            _add(where["parameters"], local)
-        ds_optimizer = engine.optimizer
+    def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
+        held = StateBytes()
+        where = held.held
+        module = getattr(model, "module", model)
+        for p in module.parameters():
+            _add(where["parameters"], getattr(p, "ds_tensor", p))
+        ds_optimizer = getattr(model, "optimizer", None)
+        if ds_optimizer is None:  # not trained yet (evaluation): nothing else is held
+            return held
         masters = getattr(ds_optimizer, "single_partition_of_fp32_groups", None) or getattr(
             ds_optimizer, "fp32_partitioned_groups_flat", []
         )
@@ -251,24 +272,23 @@ class DeepSpeedEngine:
             for value in state.values():
                 if torch.is_tensor(value) and value.dim() > 0:
                     _add(where["optimizer"], value)
-        if self.nvme_path is not None:
+        if self.config.nvme_path is not None:
             swapped = sum(
                 f.stat().st_size
-                for f in offload.swap_dir(self.nvme_path, self.rank).rglob("*")
+                for f in offload.swap_dir(self.config.nvme_path, self.run.global_rank).rglob("*")
                 if f.is_file()
             )
-            key = "optimizer" if self.offload_optimizer == "nvme" else "parameters"
+            key = "optimizer" if self.config.offload_optimizer == "nvme" else "parameters"
             where[key]["nvme"] = swapped
-        return where
+        return held
 
     def teardown(self) -> None:
-        if self.nvme_path is not None:
-            offload.clear_swap(self.nvme_path, self.rank)
+        if self.config.nvme_path is not None:
+            offload.clear_swap(self.config.nvme_path, self.run.global_rank)
 
 
 def _add(bucket: dict[str, int], tensor: torch.Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    bucket["host" if tensor.device.type == "cpu" else "accelerator"] += nbytes
+    bucket["host" if tensor.device.type == "cpu" else "accelerator"] += tensor.numel() * tensor.element_size()
 
 
 def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path]:
@@ -277,10 +297,10 @@ def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path
     torch's build lock records no owner, so age is the test: a build of DeepSpeed's ops takes minutes,
     a lock older than ``max_age_s`` belongs to a build that died.
     """
-    from torch.utils.cpp_extension import _get_build_directory
+    from lightning_shard._compat import build_directory
 
     try:
-        root = Path(_get_build_directory("", verbose=False)).parent
+        root = build_directory()
     except Exception:  # noqa: BLE001  (no build directory yet: nothing to clear)
         return []
     removed = []
@@ -290,43 +310,3 @@ def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path
             lock.unlink(missing_ok=True)
             removed.append(lock)
     return removed
-
-
-def setup_deepspeed(strategy: Any, trainer: Any) -> DeepSpeedEngine:
-    """ShardStrategy.setup for the DeepSpeed engine: optimizers from the module, then ``deepspeed.initialize``."""
-    from lightning.pytorch.strategies.parallel import ParallelStrategy
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    from lightning_shard._optim import rebind_scheduler
-
-    strategy.precision_plugin.engine_managed = True
-    strategy.precision_plugin.engine_clip_val = trainer.gradient_clip_val
-    ds = DeepSpeedEngine(
-        strategy.stage,
-        strategy.precision_plugin,
-        strategy.offload_optimizer,
-        strategy.offload_params,
-        strategy.nvme_path,
-        strategy.pin_memory,
-        strategy.global_rank,
-    )
-    config = ds.config(
-        trainer.accumulate_grad_batches,
-        trainer.gradient_clip_val,
-        trainer.gradient_clip_algorithm,
-        strategy.root_device,
-    )
-    if trainer.state.fn != TrainerFn.FITTING:
-        strategy.model.to(strategy.root_device)
-        return ds
-    strategy._reset_optimizers_and_schedulers()
-    ParallelStrategy.setup_optimizers(strategy, trainer)  # the user's optimizer, on the unwrapped module
-    engine, ds_optimizer, client_optimizer = ds.initialize(
-        strategy.model, strategy.optimizers, config, strategy.process_group_backend, strategy.world_size
-    )
-    for scheduler_config in strategy.lr_scheduler_configs:
-        if getattr(scheduler_config.scheduler, "optimizer", None) is not client_optimizer:
-            rebind_scheduler(scheduler_config.scheduler, client_optimizer)
-    strategy.model = engine
-    strategy.optimizers = [ds_optimizer]
-    return ds

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,55 +34,88 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+import lightning_shard.engines._zero as _zero
+from lightning_shard import _compat
+from lightning_shard import checkpoint as ckpt
 from lightning_shard._modules import detect_block_classes, find_blocks
-from lightning_shard.engines import _zero
-from lightning_shard.precision import ShardPrecision
+from lightning_shard._optim import rebind_schedulers
+from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
+from lightning_shard.memory import model_state_bytes
 
 log = logging.getLogger(__name__)
 
 
-class FSDPEngine:
+class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
 
-    def __init__(
-        self,
-        stage: int,
-        mesh: Any,
-        precision: ShardPrecision,
-        shard_modules: tuple[type[nn.Module], ...] | None = None,
-        cpu_offload: bool = False,
-        pin_memory: bool | None = None,
-    ) -> None:
-        self.stage = stage
-        self.mesh = mesh
-        self.precision = precision
-        self.shard_modules = shard_modules
-        self.cpu_offload = cpu_offload
-        self.pin_memory = pin_memory
+    def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
+        super().__init__(config, precision, run)
         self.sharded_blocks: list[nn.Module] = []
+        # Background checkpoint writes run on a process group of their own, made here on every rank.
+        self.async_checkpointer = (
+            ckpt.AsyncCheckpointer(run.is_global_zero, ckpt.new_checkpoint_group())
+            if config.async_checkpoint
+            else None
+        )
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    # With manual optimization the backward runs inside the step, before DDP's forward returns: this
+    # redirection keeps DDP from arming its reducer a second time after the step.
+    forward_redirection = _compat.DDPForwardRedirection()
+
+    def routes_through_forward(self, model: nn.Module, module: nn.Module) -> bool:
+        # DDP wraps the module; FSDP2 shards it in place but hooks the root module's forward.
+        return True
+
+    @property
+    def mesh(self) -> Any:
+        return self.run.mesh
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError(
                 f"ShardStrategy(stage={self.stage}) found no trainable parameters in {type(module).__name__}:"
                 " there is nothing to shard or synchronise. Check requires_grad, or train without a strategy."
             )
+        module = self.precision.convert_module(module)
         if self.stage >= 2:
-            return self._fully_shard(module)
-        return self._ddp(module)
+            wrapped = self._fully_shard(module)
+        else:
+            module.to(self.run.device)
+            wrapped = self._ddp(module)
+        _compat.materialize_module(module, self.run.device)
+        return wrapped
+
+    def setup_optimizers(
+        self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        if self.stage == 1:
+            sharded: list[Optimizer] = [
+                _zero.shard_optimizer(opt, self.mesh.get_group()) for opt in optimizers
+            ]
+            rebind_schedulers(schedulers, optimizers, sharded)
+            optimizers = sharded
+        _compat.optimizers_to_device(optimizers, self.run.device)
+        return model, optimizers
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if isinstance(module, FSDPModule):
             # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
-            # fully_shard may be applied once per module, and the shards already hold the weights.
+            # fully_shard may be applied once per module, and the shards already hold the weights. An
+            # evaluation forward at stage 2 leaves parameters gathered: reshard, so that optimizers
+            # built next hold the sharded parameters.
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
             return module
 
-        classes = self.shard_modules or detect_block_classes(module)
+        classes = self.config.shard_modules or detect_block_classes(module)
         blocks = find_blocks(module, classes) if classes else []
-        if self.shard_modules and not blocks:
-            names = ", ".join(c.__qualname__ for c in self.shard_modules)
+        if self.config.shard_modules and not blocks:
+            names = ", ".join(c.__qualname__ for c in self.config.shard_modules)
             raise ValueError(
                 f"ShardStrategy(shard_modules={{{names}}}) matches no submodule of {type(module).__name__}."
                 " Name the class of the model's repeated blocks, or pass shard_modules=None to detect it."
@@ -108,10 +142,12 @@ class FSDPEngine:
     def _offload_policy(self) -> Any:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-        if not self.cpu_offload:
+        if self.config.offload_params != "cpu":
             return OffloadPolicy()
         # Pinned host memory speeds host-device copies; on a CPU-only run there are none to speed up.
-        pin = self.pin_memory if self.pin_memory is not None else self.mesh.device_type == "cuda"
+        pin = (
+            self.config.pin_memory if self.config.pin_memory is not None else self.mesh.device_type == "cuda"
+        )
         return CPUOffloadPolicy(pin_memory=bool(pin))
 
     def _ddp(self, module: nn.Module) -> nn.Module:
@@ -134,10 +170,7 @@ class FSDPEngine:
             ddp.register_comm_hook(self.mesh.get_group(), hook)
         return ddp
 
-    def wrap_optimizers(self, model: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        if self.stage != 1:
-            return optimizers
-        return [_zero.shard_optimizer(opt, self.mesh.get_group()) for opt in optimizers]
+    # --- training --------------------------------------------------------------------------------
 
     def pre_backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:
         """Ready DDP's reducer for a backward that runs inside ``training_step`` (manual optimization).
@@ -162,6 +195,55 @@ class FSDPEngine:
             yield
         finally:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
+    ) -> None:
+        if self.config.checkpoint == "full":
+            if self.run.is_global_zero:
+                ckpt.save_file(checkpoint, path)
+            self.run.barrier()
+            return
+        state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[ckpt.optimizer_key(i)] = opt_state
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.save(state, checkpoint, path, self.run.barrier)
+        else:
+            ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
+
+    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.wait()
+        if path.is_dir():
+            return ckpt.load_sharded_into(self, model, optimizers, path)
+        return ckpt.load_full_into(self, model, optimizers, path)
+
+    def remove_checkpoint(self, path: Path) -> None:
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.remove(path)  # deferred while a save is pending
+        else:
+            super().remove_checkpoint(path)
+
+    def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
+        counted = model_state_bytes(model, optimizers)
+        held = StateBytes()
+        place = "host" if self.run.device.type == "cpu" or self.config.offload_params else "accelerator"
+        for kind, nbytes in (
+            ("parameters", counted.parameters),
+            ("gradients", counted.gradients),
+            ("optimizer", counted.optimizer),
+        ):
+            held.held[kind][place] += nbytes
+        return held
+
+    def teardown(self) -> None:
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.close()
+
+    # --- state dicts -----------------------------------------------------------------------------
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))

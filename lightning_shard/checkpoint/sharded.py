@@ -13,75 +13,38 @@ half-written checkpoint under a final name.
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_shard import _checkpoint_errors as errors
-from lightning_shard._checkpoint_errors import CheckpointLoadError
-
-META_FILENAME = "meta.pt"
-MODEL_KEY = "state_dict"
-TMP_SUFFIX = ".tmp"
-
-
-def optimizer_key(index: int) -> str:
-    return f"optimizer_{index}"
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file() and (path / META_FILENAME).is_file()
-
-
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    return FileSystemReader(str(path)).read_metadata()
+import lightning_shard.checkpoint._errors as errors
+from lightning_shard.checkpoint._commit import write_committed
+from lightning_shard.checkpoint._errors import CheckpointLoadError
+from lightning_shard.checkpoint.layout import (
+    META_FILENAME,
+    MODEL_KEY,
+    is_deepspeed_checkpoint,
+    is_sharded_checkpoint,
+    optimizer_key,
+    read_metadata,
+)
 
 
 def save_sharded(
     path: Path, state: dict[str, Any], meta: dict[str, Any], is_rank0: bool, barrier: Callable[[], None]
 ) -> None:
     """Write ``state`` as DCP shards plus ``meta`` under ``path``, visible only once complete."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    if is_rank0:
-        remove(tmp)
-        tmp.mkdir(parents=True)
-    barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    if is_rank0:
-        torch.save(meta, tmp / META_FILENAME)
-        commit(tmp, path)
-    barrier()
 
+    def write(tmp: Path) -> None:
+        dcp.save(state, checkpoint_id=str(tmp))
+        if is_rank0:
+            torch.save(meta, tmp / META_FILENAME)
 
-def commit(tmp: Path, path: Path) -> None:
-    """Move a fully written checkpoint to its final name, replacing an older one of that name."""
-    if path.exists() or path.is_symlink():
-        old = path.with_name(path.name + ".old")
-        remove(old)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        remove(old)
-    else:
-        os.replace(tmp, path)
-
-
-def save_file(checkpoint: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename: a reader never sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir():
-        shutil.rmtree(path)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
+    write_committed(path, write, is_rank0, barrier)
 
 
 def load_sharded(path: Path, target: dict[str, Any]) -> None:
@@ -194,87 +157,3 @@ def _read_full(engine: Any, model: Any, path: Path) -> dict[str, Any]:
     fix = errors.model_fix(checkpoint.get("hyper_parameters"), model)
     errors.check_state(path, saved, wanted, "", "model", strict=True, fix=fix)
     return checkpoint
-
-
-def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state dict of a checkpoint (sharded directory or single file), in this process.
-
-    Needs no process group: DCP reads every shard of the requested keys.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-    if path.is_file():
-        checkpoint = torch.load(path, weights_only=False, map_location="cpu")
-        return checkpoint.get(MODEL_KEY, checkpoint)
-    if is_deepspeed_checkpoint(path):
-        return _deepspeed_weights(path)
-    if not is_sharded_checkpoint(path):
-        raise ValueError(
-            f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
-            " it may be a save that never completed."
-        )
-    prefix = MODEL_KEY + "."
-    target = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in read_metadata(path).state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    dcp.load(target, checkpoint_id=str(path), no_dist=True)
-    return {key[len(prefix) :]: value for key, value in target.items()}
-
-
-DEEPSPEED_TAG = "checkpoint"
-
-
-def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
-    """A directory written by the DeepSpeed engine (``DeepSpeedEngine.save_checkpoint``)."""
-    tag_dir = Path(path) / DEEPSPEED_TAG
-    return tag_dir.is_dir() and any(tag_dir.glob("*mp_rank_00_model_states.pt"))
-
-
-def check_deepspeed_checkpoint(path: Path) -> None:
-    """Before DeepSpeed reads ``path``: refuse, on every rank and with the fix, a checkpoint the FSDP engine wrote."""
-    errors.on_every_rank(path, lambda: _refuse_fsdp_checkpoint(path))
-
-
-def _refuse_fsdp_checkpoint(path: Path) -> None:
-    if is_deepspeed_checkpoint(path) or not path.exists():
-        return
-    if path.is_file():
-        kind = "a one-file checkpoint (ShardStrategy(checkpoint='full'))"
-    elif (path / ".metadata").is_file():
-        kind = "a sharded DCP checkpoint of the FSDP engine"
-    else:
-        return  # neither kind: DeepSpeed's own "no checkpoint" error says so
-    raise errors.wrong_engine(
-        path,
-        kind,
-        "deepspeed",
-        "Resume it with ShardStrategy(engine='fsdp') (any world size, any stage), or start engine='deepspeed'"
-        f" from its weights: `lightning-shard consolidate {shlex.quote(str(path))} model.pt`, then"
-        " model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
-    )
-
-
-def _deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
-    # DeepSpeed's own reconstruction of fp32 weights from every rank's ZeRO partitions.
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
-    return {key: value.detach().clone() for key, value in state.items()}
-
-
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the model weights of a checkpoint as one plain ``torch.save``'d state dict."""
-    weights = load_model_weights(path)
-    out = Path(out)
-    save_file(weights, out)
-    return out
-
-
-def remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_shard._ac_wrap import count_recompute_flops
+from lightning_shard.activation_checkpointing.flops import count_recompute_flops
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def measure(module: nn.Module, batch: Any) -> Measurement:
     untouched, and the RNG state is restored afterwards, so measuring does not change a training run.
     """
     args, kwargs = _as_call(batch)
-    device = _device_of(module, args, kwargs)
+    device = device_of(module, args, kwargs)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         # Warm-up: lazy initialisation and any memory_budget planning happen here, not in the measured pass.
         module(*args, **kwargs)
@@ -97,7 +97,7 @@ def _as_call(batch: Any) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+def device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for tensor in _tensors((args, kwargs)):
         return tensor.device
     for param in module.parameters():

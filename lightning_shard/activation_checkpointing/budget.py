@@ -32,9 +32,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_shard._ac_measure import _device_of, allocated_by
-from lightning_shard._ac_policy import _MATMULS
-from lightning_shard._ac_wrap import BlockMode, CheckpointedForward
+from lightning_shard.activation_checkpointing.measure import allocated_by, device_of
+from lightning_shard.activation_checkpointing.modes import BlockMode
+from lightning_shard.activation_checkpointing.policy import MATMUL_OVERLOADS
+from lightning_shard.activation_checkpointing.wrap import CheckpointedForward
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,10 @@ class BlockPlan:
 
 
 class BudgetPlanner:
-    """Shared by all wrappers of one ``apply_activation_checkpointing`` call that has a ``memory_budget``."""
+    """Shared by all wrappers of one ``apply_activation_checkpointing`` call that has a ``memory_budget``.
+
+    A :class:`~.modes.ModeChooser`: each wrapper asks it for its mode on its first training call.
+    """
 
     def __init__(self, budget: float, allow_selective: bool) -> None:
         self.budget = budget
@@ -109,7 +113,7 @@ def estimate_block(
     wrapper: CheckpointedForward, args: tuple, kwargs: dict, modes: tuple[BlockMode, ...]
 ) -> dict[str, BlockCost]:
     """Bytes each mode leaves allocated for one block on these inputs, and the FLOPs it would recompute."""
-    device = _device_of(wrapper.block, args, kwargs)
+    device = device_of(wrapper.block, args, kwargs)
     nbytes: dict[str, int] = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         for mode in modes:
@@ -124,7 +128,7 @@ def estimate_block(
     per_op = counter.get_flop_counts().get("Global", {})
     forward = sum(per_op.values())
     saved_packets = {op.overloadpacket for op in wrapper.save_ops}
-    matmul_packets = {op.overloadpacket for op in _MATMULS}
+    matmul_packets = {op.overloadpacket for op in MATMUL_OVERLOADS}
     saved = 0
     for packet, flops in per_op.items():
         if packet in saved_packets:

@@ -125,7 +125,7 @@ def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
 
 def target_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """Keys and global shapes of a state dict, flattened the way DCP's planner flattens it."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from lightning_shard._compat import flatten_state_dict
 
     flat, _ = flatten_state_dict(dict(state))
     return {key: tuple(value.size()) if torch.is_tensor(value) else None for key, value in flat.items()}

@@ -1,45 +1,19 @@
-"""Will it fit, and with which flags? Per-device memory of ZeRO stages 0-3 and the cheapest configuration.
-
-For a model (a module, a class path built on the meta device, or a parameter count), a world size,
-the memory of one device, a precision, an optimizer and a micro-batch, the plan lists for every stage
-the bytes of parameters, gradients, optimizer state, activations and working buffers on one device,
-and picks the cheapest configuration that fits ``(1 - margin) x device memory``: the lowest stage,
-then the fewest offloads, then the least recompute. The formulas are in
-:mod:`lightning_shard._plan_memory` (model state, buffers), :mod:`lightning_shard._plan_model`
-(activations) and :mod:`lightning_shard._plan_layout` (communication, pipeline bubble, TP x PP x DP).
-
-Example::
-
-    from lightning_shard.planner import plan
-    print(plan(params=7e9, world_size=8, device_memory="80GB").table())
-
-``ShardStrategy(stage="auto")`` calls :func:`choose_stage` on the real model at setup.
-"""
+"""The search: every candidate configuration weighed, checked against the strategy, and the cheapest chosen."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
-import torch
 from torch import nn
 
-from lightning_shard import _plan_render
-from lightning_shard._plan_layout import (
-    Communication,
-    Layout,
-    communication,
-    pipeline_bubble,
-    ring_allreduce_seconds,
-    suggest_layout,
-)
-from lightning_shard._plan_memory import (
+from lightning_shard.planner.accepted import StrategyCheck
+from lightning_shard.planner.layout import communication, suggest_layout
+from lightning_shard.planner.memory import (
     CHECKPOINTING,
     OPTIMIZER_STATES,
     PRECISION_BYTES,
     Breakdown,
-    Config,
     Offload,
     Optimizer,
     Setting,
@@ -47,95 +21,24 @@ from lightning_shard._plan_memory import (
     candidates,
     cheapest,
 )
-from lightning_shard._plan_model import (
+from lightning_shard.planner.model import (
     Checkpointing,
     ModelShape,
-    activation_bytes,
     build_on_meta,
     shape_from_module,
     shape_from_params,
 )
-from lightning_shard._plan_units import PlanInputError, parse_bandwidth, parse_count, parse_size
-
-__all__ = [
-    "Breakdown",
-    "Config",
-    "ModelShape",
-    "Plan",
-    "PlanInputError",
-    "activation_bytes",
-    "available_device_memory",
-    "build_on_meta",
-    "choose_stage",
-    "pipeline_bubble",
-    "plan",
-    "ring_allreduce_seconds",
-    "shape_from_module",
-]
+from lightning_shard.planner.result import Plan
+from lightning_shard.planner.units import (
+    PlanInputError,
+    format_bytes,
+    parse_bandwidth,
+    parse_count,
+    parse_size,
+)
 
 Stage = Literal[0, 1, 2, 3, "auto"]
 Auto = Literal["auto"]
-JSON_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The answer: a row per stage, the recommended configuration, and what it was computed from."""
-
-    model: ModelShape
-    world_size: int
-    device_memory: int
-    margin: float
-    precision: str
-    optimizer: str
-    micro_batch: int | None
-    seq_len: int | None
-    stages: tuple[Breakdown, ...]
-    """Stages 0-3, each with its cheapest fitting flags (else its smallest): searched ``"auto"`` flags, fixed ones kept."""
-    recommended: Breakdown | None
-    """The cheapest configuration that fits; if none fits, the one with the fewest bytes (``fits`` False)."""
-    communication: Communication | None
-    layout: Layout | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def usable_memory(self) -> int:
-        return int(self.device_memory * (1 - self.margin))
-
-    @property
-    def fits(self) -> bool:
-        return self.recommended is not None and self.recommended.fits
-
-    @property
-    def stage(self) -> int:
-        """The recommended stage (what ``ShardStrategy(stage="auto")`` uses)."""
-        if self.recommended is None:
-            raise RuntimeError("This plan has no runnable configuration; see Plan.notes.")
-        return self.recommended.config.stage
-
-    @property
-    def strategy(self) -> str | None:
-        """The recommended ``ShardStrategy(...)`` line."""
-        return self.recommended.config.strategy_line() if self.recommended else None
-
-    def strategy_kwargs(self) -> dict[str, Any]:
-        """The recommended flags as ``ShardStrategy`` keyword arguments (defaults left out)."""
-        if self.recommended is None:
-            return {}
-        flags = asdict(self.recommended.config)
-        return {k: v for k, v in flags.items() if k == "stage" or v != "none"}
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` document; its keys are listed in docs/planner.md and are stable."""
-        return _plan_render.to_dict(self)
-
-    def table(self) -> str:
-        """The per-device table as plain text (for the console and for logs)."""
-        return _plan_render.table(self)
-
-    def plot(self, path: str) -> None:
-        """Stacked bars of the table, one per stage plus the recommendation (needs matplotlib)."""
-        _plan_render.plot(self, path)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -176,6 +79,7 @@ def _validate(args: dict[str, Any]) -> None:
     _check_choice("offload_optimizer", args["offload_optimizer"], ("none", "cpu", "nvme", "auto"))
     _check_choice("offload_params", args["offload_params"], ("none", "cpu", "nvme", "auto"))
     _check_choice("activation_checkpointing", args["activation_checkpointing"], (*CHECKPOINTING, "auto"))
+    _check_choice("engine", args["engine"], ("auto", "fsdp", "deepspeed"))
     margin = args["margin"]
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise PlanInputError(
@@ -218,6 +122,8 @@ def plan(
     gpus_per_node: int = 8,
     bandwidth: float | str = "25GB/s",
     micro_batches: int | None = None,
+    engine: str = "auto",
+    nvme_path: str | None = None,
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -227,6 +133,10 @@ def plan(
     embeddings), else 2048; ``micro_batch=None`` plans model state only. ``"auto"`` flags are searched,
     fixed ones kept; a fixed ``stage`` limits the recommendation, not the table. ``layout=True`` adds the
     TP x PP x DP suggestion for ``world_size`` devices of ``gpus_per_node`` each.
+
+    Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
+    (with ``engine`` and ``nvme_path`` as given), so a recommendation always constructs a
+    ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
     """
     _validate(locals())
     memory = parse_size(device_memory, "device_memory")
@@ -235,8 +145,9 @@ def plan(
     seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
     usable = int(memory * (1 - margin))
     setting = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
+    check = StrategyCheck(engine, nvme_path, precision)
     configs = candidates((0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing)
-    rows = [breakdown(setting, config) for config in configs]
+    rows = [check.judge(breakdown(setting, config)) for config in configs]
     allowed = [row for row in rows if stage == "auto" or row.config.stage == stage]
     if all(row.unsupported for row in allowed):
         # Explain with the closest miss: the highest stage, with no more offloads than the user asked for.
@@ -247,7 +158,9 @@ def plan(
     comm = communication(setting, recommended.config.stage, bw) if recommended and world_size > 1 else None
     grid = None
     if layout and world_size > 1:
-        grid = suggest_layout(setting, gpus_per_node, bw, micro_batches, activation_checkpointing)
+        grid = suggest_layout(
+            setting, gpus_per_node, bw, micro_batches, activation_checkpointing, check.judge
+        )
     return Plan(
         model=shape,
         world_size=world_size,
@@ -261,7 +174,9 @@ def plan(
         recommended=recommended,
         communication=comm,
         layout=grid,
-        notes=tuple(_notes(shape, micro_batch, recommended)),
+        notes=tuple(_notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check)),
+        engine=engine,
+        nvme_path=nvme_path,
     )
 
 
@@ -286,6 +201,30 @@ def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None) -
     return notes
 
 
+def _refused(rows: list[Breakdown], best: Breakdown | None, check: StrategyCheck) -> list[str]:
+    """A note when the strategy refuses a configuration that would fit more cheaply than the recommendation.
+
+    Only refusals that read the same at stage 3, where the strategy allows every offload: those are
+    about this machine or the fixed flags (DeepSpeed or libaio not installed, the NVMe path, the
+    precision), which the user can change, not about a stage the search already moved past.
+    """
+    better = [
+        row
+        for row in rows
+        if check.refusal(row.config) is not None
+        and check.refusal(row.config) == check.refusal(replace(row.config, stage=3))
+        and row.total <= row.usable
+        and (best is None or not best.fits or row.config.cost() < best.config.cost())
+    ]
+    if not better:
+        return []
+    row = min(better, key=lambda r: r.config.cost())
+    return [
+        f"{row.strategy_line} would fit ({format_bytes(row.total)}), but ShardStrategy refuses it here:"
+        f" {row.unsupported}"
+    ]
+
+
 def choose_stage(
     module: nn.Module,
     world_size: int,
@@ -299,12 +238,15 @@ def choose_stage(
     activation_checkpointing: Checkpointing | Auto = "auto",
     offload_optimizer: Offload | Auto = "auto",
     offload_params: Offload | Auto = "auto",
+    engine: str = "auto",
+    nvme_path: str | None = None,
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
     Cheapest = lowest stage, then fewest offloads, then least recompute, among configurations whose
     per-device total fits ``(1 - margin) x device_memory``. Flags the user fixed on the strategy are
-    passed as fixed values; ``"auto"`` ones are searched. If nothing fits, ``plan.recommended`` is the
+    passed as fixed values (``engine`` already resolved, ``nvme_path``), so the stage chosen is one
+    the strategy accepts; ``"auto"`` ones are searched. If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
     """
@@ -320,40 +262,6 @@ def choose_stage(
         activation_checkpointing=activation_checkpointing,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
+        engine=engine,
+        nvme_path=nvme_path,
     )
-
-
-def available_device_memory(device: torch.device | str, local_world_size: int | None = None) -> int:
-    """Bytes one rank may plan with: free CUDA memory of ``device``, or available RAM on a CPU.
-
-    On a CPU every rank of the host shares the RAM, so it is divided by ``local_world_size`` (default:
-    the ``LOCAL_WORLD_SIZE`` environment variable torchrun sets, else 1).
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    if device.type != "cpu":
-        raise ValueError(
-            f"available_device_memory(device={str(device)!r}) supports 'cuda' and 'cpu'. Pass device_memory"
-            " to the planner yourself for other devices."
-        )
-    ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return _available_ram() // max(1, ranks)
-
-
-def _available_ram() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

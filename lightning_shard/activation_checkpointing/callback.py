@@ -1,24 +1,8 @@
-"""Selective activation checkpointing for any LightningModule, as a callback or a ShardStrategy flag.
+"""``ActivationCheckpointing`` (the configuration, and a callback for any strategy) and applying it to a model.
 
-Activation checkpointing trades compute for memory: a checkpointed block keeps only its inputs
-from the forward pass and re-runs its forward during backward to get the activations its gradient
-needs. Three ways to choose what to re-run, per block:
-
-* ``policy="full"``: keep nothing inside the block, re-run all of it (most memory saved, one extra
-  forward of the block, ~+1/3 of its step FLOPs).
-* ``policy="selective"``: keep the outputs of compute-heavy ops (matmuls, attention kernels,
-  collectives: :data:`DEFAULT_SAVE_OPS`) and re-run only the cheap elementwise ops around them
-  (layer norms, activations, dropout, residual adds), which hold most of the bytes per FLOP.
-* ``every_n=k``: the policy on every k-th block only (blocks 0, k, 2k, ...); ``memory_budget=f``:
-  a per-block mix of none / selective / full chosen to fit ``f`` x the no-checkpoint activation bytes
-  of the blocks with the least recompute (see ``lightning_shard._ac_budget``).
-
-Blocks are patched in place (their ``forward`` is replaced on the instance), so parameter names,
-``state_dict`` keys and the module classes that sharding looks for are unchanged.
-
-Example::
-
-    trainer = L.Trainer(callbacks=[ActivationCheckpointing(policy="selective")])
+The callback patches the blocks right after the module's ``configure_model`` and before the strategy
+wraps or shards it; ``ShardStrategy(activation_checkpointing=...)`` takes the same object and calls
+:func:`apply_activation_checkpointing` itself.
 """
 
 from __future__ import annotations
@@ -31,35 +15,15 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
 
-from lightning_shard._ac_budget import BlockPlan, BudgetPlanner
-from lightning_shard._ac_measure import Measurement, measure
-from lightning_shard._ac_policy import DEFAULT_SAVE_OPS, SaveMatmuls, op_names, resolve_save_ops
-from lightning_shard._ac_wrap import (
-    CheckpointedForward,
-    RecomputeMismatchError,
-    count_recompute_flops,
-    unwrap,
-    wrapper_of,
+from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard.activation_checkpointing.blocks import (
+    blocks_to_checkpoint,
+    check_not_checkpointed,
+    checkpointed_blocks,
 )
-from lightning_shard._modules import (
-    ModuleClassSpec,
-    detect_block_classes,
-    find_blocks,
-    resolve_module_classes,
-)
-
-__all__ = [
-    "DEFAULT_SAVE_OPS",
-    "ActivationCheckpointing",
-    "Measurement",
-    "RecomputeMismatchError",
-    "apply_activation_checkpointing",
-    "checkpointed_blocks",
-    "count_recompute_flops",
-    "is_activation_checkpointed",
-    "measure",
-    "remove_activation_checkpointing",
-]
+from lightning_shard.activation_checkpointing.budget import BlockPlan, BudgetPlanner
+from lightning_shard.activation_checkpointing.policy import SaveMatmuls, op_names, resolve_save_ops
+from lightning_shard.activation_checkpointing.wrap import CheckpointedForward, wrapper_of
 
 Policy = Literal["full", "selective"]
 _POLICIES: tuple[str, ...] = ("full", "selective")
@@ -225,8 +189,8 @@ def apply_activation_checkpointing(
             " ActivationCheckpointing(...), or skip the call."
         )
     config = resolved
-    _check_not_checkpointed(module)
-    blocks = _blocks_to_checkpoint(module, config)
+    check_not_checkpointed(module)
+    blocks = blocks_to_checkpoint(module, config._block_classes, config.blocks)
     names = {id(m): name for name, m in module.named_modules()}
     planner = None
     if config.memory_budget is not None:
@@ -249,68 +213,6 @@ def apply_activation_checkpointing(
         block.forward = wrapper  # type: ignore[method-assign]
         patched.append(block)
     return patched
-
-
-def remove_activation_checkpointing(module: nn.Module) -> list[nn.Module]:
-    """Undo :func:`apply_activation_checkpointing`; return the blocks that got their own forward back."""
-    return [m for m in module.modules() if unwrap(m)]
-
-
-def checkpointed_blocks(module: nn.Module) -> list[nn.Module]:
-    """The submodules of ``module`` (itself included) patched by :func:`apply_activation_checkpointing`."""
-    return [m for m in module.modules() if wrapper_of(m) is not None]
-
-
-def is_activation_checkpointed(module: nn.Module) -> bool:
-    """Whether any submodule of ``module`` already runs under :func:`apply_activation_checkpointing`."""
-    return any(wrapper_of(m) is not None for m in module.modules())
-
-
-def _blocks_to_checkpoint(module: nn.Module, config: ActivationCheckpointing) -> list[nn.Module]:
-    classes = config._block_classes or detect_block_classes(module)
-    if not classes:
-        raise ValueError(
-            f"ActivationCheckpointing(blocks=None) found no repeated block in {type(module).__name__}: it has no"
-            " nn.ModuleList / nn.Sequential of two or more modules of one class. Name the classes to"
-            " checkpoint, e.g. ActivationCheckpointing(blocks=['my_package.model.DecoderLayer'])."
-        )
-    blocks = find_blocks(module, classes)
-    if not blocks:
-        wanted = [f"{c.__module__}.{c.__qualname__}" for c in classes]
-        raise ValueError(
-            f"ActivationCheckpointing(blocks={config.blocks!r}) matches no submodule of {type(module).__name__}"
-            f" (looked for {wanted}). Check the class names against print(model), or pass blocks=None to"
-            " detect the repeated block class."
-        )
-    for block in blocks:
-        if getattr(block, "gradient_checkpointing", False) is True:
-            raise ValueError(
-                f"ActivationCheckpointing: block {type(block).__name__} already has Hugging Face gradient"
-                " checkpointing on, so it would be recomputed twice. Call model.gradient_checkpointing_disable()"
-                " or drop ActivationCheckpointing."
-            )
-    return blocks
-
-
-def _check_not_checkpointed(module: nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    already = checkpointed_blocks(module)
-    if already:
-        owner = wrapper_of(already[0]).owner  # type: ignore[union-attr]
-        raise ValueError(
-            f"Activation checkpointing is already applied to {len(already)} blocks of {type(module).__name__}"
-            f" (by {owner!r}); applying it again would recompute them twice. Use one of"
-            " Trainer(callbacks=[ActivationCheckpointing(...)]) or ShardStrategy(activation_checkpointing=...),"
-            " not both, or call remove_activation_checkpointing(model) first."
-        )
-    wrapped = [name for name, m in module.named_modules() if isinstance(m, CheckpointWrapper)]
-    if wrapped:
-        raise ValueError(
-            f"{type(module).__name__} already has blocks wrapped by torch's checkpoint_wrapper ({wrapped[:3]}...)."
-            " Remove that wrapping (it also renames parameters) and let ActivationCheckpointing do it, or drop"
-            " ActivationCheckpointing."
-        )
 
 
 def _applied_by(module: nn.Module, config: ActivationCheckpointing) -> bool:

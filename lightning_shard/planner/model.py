@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_shard._modules import detect_block_classes, find_blocks
-from lightning_shard._plan_units import PlanInputError
+from lightning_shard.planner.units import PlanInputError
 
 Checkpointing = Literal["none", "selective", "full"]
 
@@ -187,7 +187,7 @@ def build_on_meta(
     module_name, _, class_name = class_path.rpartition(".")
     if not module_name:
         raise PlanInputError(
-            f"{flag}={class_path!r} is not an import path. Give a dotted path such as examples.gpt.GPT."
+            f"{flag}={class_path!r} is not an import path. Give a dotted path such as lightning_shard.demos.GPT."
         )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
@@ -223,7 +223,7 @@ def build_on_meta(
 def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: int) -> float:
     """Bytes one block keeps for backward, per token (GPT-2-style block, fused attention).
 
-    Counted on ``examples/gpt.py`` with saved-tensor hooks, h = hidden, f = ffn, a = heads, r = bytes of
+    Counted on ``lightning_shard/demos/gpt.py`` with saved-tensor hooks, h = hidden, f = ffn, a = heads, r = bytes of
     the residual stream (fp32 in mixed precision), c = bytes of compute outputs::
 
         none:      2h·r  (the two layer-norm inputs: the block input and the mid-block residual)

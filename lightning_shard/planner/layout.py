@@ -24,9 +24,10 @@ overlaps backward), then t before p (no bubble), then the lowest ZeRO stage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from lightning_shard._plan_memory import (
+from lightning_shard.planner.memory import (
     CHECKPOINTING,
     PRECISION_BYTES,
     Breakdown,
@@ -122,8 +123,12 @@ def suggest_layout(
     bandwidth: float,
     micro_batches: int | None,
     checkpointing: Checkpointing | str = "auto",
+    judge: Callable[[Breakdown], Breakdown] = lambda row: row,
 ) -> Layout:
-    """Search t x p x d = world size (t a power of two within a node) for the layout described above."""
+    """Search t x p x d = world size (t a power of two within a node) for the layout described above.
+
+    ``judge`` marks the rows the strategy refuses (see :mod:`.accepted`), so none is suggested.
+    """
     world, layers = s.world_size, max(1, s.shape.layers)
     modes = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     per_tp: list[LayoutOption] = []
@@ -135,7 +140,7 @@ def suggest_layout(
             m = micro_batches or 4 * pp
             for stage in (0, 1, 2, 3):
                 for mode in modes:
-                    row = breakdown(setting, Config(stage, activation_checkpointing=mode))  # type: ignore[arg-type]
+                    row = judge(breakdown(setting, Config(stage, activation_checkpointing=mode)))  # type: ignore[arg-type]
                     comm = communication(setting, stage, bandwidth)
                     options.append(
                         LayoutOption(tp, pp, setting.world_size, row, m, pipeline_bubble(pp, m), comm)

@@ -105,7 +105,7 @@ def _try_op(name: str) -> torch._ops.OpOverload | None:
         return None
 
 
-_MATMULS = frozenset(op for op in (_try_op(name) for name in MATMUL_OPS) if op is not None)
+MATMUL_OVERLOADS = frozenset(op for op in (_try_op(name) for name in MATMUL_OPS) if op is not None)
 
 
 class _SavePolicy:
@@ -119,7 +119,7 @@ class _SavePolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op not in self.save_ops:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if self.every_other and op in _MATMULS:
+        if self.every_other and op in MATMUL_OVERLOADS:
             self.matmuls_seen[ctx.is_recompute] += 1
             # Recompute the 2nd, 4th, ... matmul: halves the stored matmul outputs for half the matmul recompute.
             if self.matmuls_seen[ctx.is_recompute] % 2 == 0:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 _SUBJECTS = ["the miller", "a sailor", "the old king", "my sister", "the river", "a grey fox", "the clerk"]
 _VERBS = ["carried", "remembered", "watched", "painted", "followed", "forgot", "praised"]
@@ -41,6 +42,7 @@ class CharDataset(Dataset):
     def __len__(self) -> int:
         return (len(self.data) - 1) // self.seq_len
 
+    @override
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1]
         return chunk[:-1], chunk[1:]
@@ -53,9 +55,11 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         self.seq_len, self.batch_size, self.n_sentences, self.seed = seq_len, batch_size, n_sentences, seed
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         self.dataset = CharDataset(generate_text(self.n_sentences, self.seed), self.seq_len)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
@@ -68,6 +72,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=-1)  # 3 x (b, t, c)
@@ -90,6 +95,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
         self.drop = nn.Dropout(dropout)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
@@ -122,6 +128,7 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, t = idx.shape
         pos = torch.arange(t, device=idx.device)
@@ -150,9 +157,11 @@ class GPTModule(L.LightningModule):
         self.save_hyperparameters()
         self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
@@ -160,9 +169,10 @@ class GPTModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def configure_optimizers(self):
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.hparams.weight_decay},

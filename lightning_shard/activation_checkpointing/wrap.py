@@ -14,20 +14,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointError, checkpoint, noop_context_fn
-from torch.utils.flop_counter import flop_registry
 
-from lightning_shard._ac_policy import SaveMatmuls, op_names, resolve_save_ops, selective_contexts
+from lightning_shard.activation_checkpointing.flops import current_tally
+from lightning_shard.activation_checkpointing.modes import BlockMode, ModeChooser
+from lightning_shard.activation_checkpointing.policy import (
+    SaveMatmuls,
+    op_names,
+    resolve_save_ops,
+    selective_contexts,
+)
 
-if TYPE_CHECKING:
-    from lightning_shard._ac_budget import BudgetPlanner
-
-BlockMode = Literal["none", "selective", "full"]
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 
@@ -47,14 +48,15 @@ class CheckpointedForward:
         block: nn.Module,
         name: str,
         owner: object,
-        mode: BlockMode | BudgetPlanner,
+        mode: BlockMode | ModeChooser,
         save_ops: frozenset[torch._ops.OpOverload],
         save_matmuls: SaveMatmuls,
     ) -> None:
         self.block = block
         self.name = name
         self.owner = owner  # the ActivationCheckpointing config that applied this wrapper
-        self.mode = mode  # fixed per block, or a planner that decides on the first training call
+        # Fixed per block, or a chooser (the memory_budget planner) that decides on the first training call.
+        self.mode = mode
         self.save_ops = save_ops
         self.save_matmuls = save_matmuls
         # A forward already patched on the instance (another library's hook) keeps running inside ours.
@@ -113,7 +115,7 @@ class CheckpointedForward:
         )
 
     def _context_fn(self, mode: BlockMode) -> ContextFn:
-        tally = _RECOMPUTE_TALLIES[-1] if _RECOMPUTE_TALLIES else None
+        tally = current_tally()
         if mode == "selective":
             save_ops, save_matmuls = self.save_ops, self.save_matmuls
 
@@ -188,54 +190,6 @@ def recompute_error_message(wrapper: CheckpointedForward, err: BaseException) ->
         " Fix: turn the cache off for training (Hugging Face: model.config.use_cache = False, or pass"
         " use_cache=False), or leave this block class out via ActivationCheckpointing(blocks=[...])."
     )
-
-
-class _FlopTally(TorchDispatchMode):
-    """Adds up the FLOPs (``torch.utils.flop_counter`` formulas) of the ops that run under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-class RecomputeFlops:
-    """What :func:`count_recompute_flops` yields: ``.flops`` re-run by checkpointed blocks in backward."""
-
-    def __init__(self) -> None:
-        self.flops = 0
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        """Count one recompute; a fresh dispatch mode each time (modes are not reentrant)."""
-        tally = _FlopTally()
-        try:
-            with tally:
-                yield
-        finally:
-            self.flops += tally.flops
-
-
-# measure() pushes a tally here; blocks checkpointed while it is set count what they recompute.
-_RECOMPUTE_TALLIES: list[RecomputeFlops] = []
-
-
-@contextlib.contextmanager
-def count_recompute_flops() -> Iterator[RecomputeFlops]:
-    """Count FLOPs that checkpointed blocks re-run in backward, for forwards run inside this context."""
-    tally = RecomputeFlops()
-    _RECOMPUTE_TALLIES.append(tally)
-    try:
-        yield tally
-    finally:
-        _RECOMPUTE_TALLIES.remove(tally)
 
 
 def wrapper_of(module: nn.Module) -> CheckpointedForward | None:

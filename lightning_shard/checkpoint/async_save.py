@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_shard import checkpoint as ckpt
+from lightning_shard.checkpoint._commit import begin, commit, remove, tmp_path
+from lightning_shard.checkpoint.layout import META_FILENAME
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,7 @@ class AsyncCheckpointer:
                     self._aliases.append(path)
             return
         self.wait()
-        tmp = path.with_name(path.name + ckpt.TMP_SUFFIX)
-        if self.is_rank0:
-            ckpt.remove(tmp)
-            tmp.mkdir(parents=True)
-        barrier()
+        tmp = begin(path, self.is_rank0, barrier)
         self._committed.clear()
         self._path, self._step, self._aliases = path, step, []
         # Thread mode returns a plain Future (AsyncSaveResponse only comes with async staging).
@@ -86,8 +83,8 @@ class AsyncCheckpointer:
         try:
             future.result()
             if self.is_rank0:
-                torch.save(meta, tmp / ckpt.META_FILENAME)
-                ckpt.commit(tmp, path)
+                torch.save(meta, tmp / META_FILENAME)
+                commit(tmp, path)
                 with self._lock:
                     self.last_committed = path
                     for alias in self._aliases:
@@ -127,7 +124,7 @@ class AsyncCheckpointer:
         if path == self.last_committed or path == self._path:
             return
         try:
-            ckpt.remove(path)
+            remove(path)
         except OSError as err:
             # A failed delete must not kill the commit thread, or later commits would never happen.
             log.warning("Could not remove old checkpoint %s: %s", path, err)
@@ -136,11 +133,11 @@ class AsyncCheckpointer:
         if not self.is_rank0 or self._path is None:
             return
         target = self._path
-        tmp_link = alias.with_name(alias.name + ".link" + ckpt.TMP_SUFFIX)
-        ckpt.remove(tmp_link)
+        tmp_link = tmp_path(alias.with_name(alias.name + ".link"))
+        remove(tmp_link)
         os.symlink(os.path.relpath(target, alias.parent), tmp_link)
         if alias.is_dir() and not alias.is_symlink():
-            ckpt.remove(alias)
+            remove(alias)
         os.replace(tmp_link, alias)
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """``ShardStrategy(stage="auto")``: run the planner on the real model, batch, precision and memory.
 
 Picks the lowest stage (then the least recomputation) whose planned per-device bytes fit the
-device memory with a safety margin. Offload flags the user set stay as they are: they choose the
-engine, which is fixed when the strategy is built. The choice and the table behind it are logged.
+device memory with a safety margin, among the stages the strategy accepts with the flags it was
+built with: offload flags stay as the user set them, and the engine they chose (fixed when the
+strategy was built) keeps its rules (DeepSpeed: no fp16 at stage 0). The choice and the table
+behind it are logged.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_shard.callbacks._flops import batch_shape as batch_shape_of
+from lightning_shard._batch import batch_shape as batch_shape_of
+from lightning_shard.planner.device import available_device_memory
+from lightning_shard.planner.search import choose_stage
+from lightning_shard.planner.units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +50,17 @@ def choose(
     activation_checkpointing: Any,
     offload_optimizer: Any,
     offload_params: Any,
+    engine: str = "auto",
+    nvme_path: str | None = None,
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``."""
-    from lightning_shard import planner
-    from lightning_shard._plan_units import parse_size
-
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")
         if device_memory is not None
-        else planner.available_device_memory(device, local_world_size)
+        else available_device_memory(device, local_world_size)
     )
     micro_batch, seq_len = batch_shape(trainer)
-    plan = planner.choose_stage(
+    plan = choose_stage(
         module,
         world_size,
         memory,
@@ -66,6 +70,8 @@ def choose(
         activation_checkpointing=activation_checkpointing or "auto",
         offload_optimizer=offload_optimizer or "none",
         offload_params=offload_params or "none",
+        engine=engine,
+        nvme_path=nvme_path,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -81,11 +87,12 @@ def choose(
     return stage, (policy if activation_checkpointing is None else None)
 
 
-def apply(strategy: Any, trainer: L.Trainer) -> None:
-    """Resolve ``stage="auto"`` on ``strategy`` (and the recompute policy, if the user left it open)."""
+def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
+    """Resolve ``stage="auto"`` for ``strategy``: (stage, activation-checkpointing config, chosen if left open)."""
     from lightning_shard.activation_checkpointing import ActivationCheckpointing
 
-    config = strategy.activation_checkpointing
+    config = strategy.config
+    checkpointing = config.activation_checkpointing
     stage, chosen_policy = choose(
         strategy.lightning_module,
         trainer,
@@ -93,11 +100,13 @@ def apply(strategy: Any, trainer: L.Trainer) -> None:
         strategy.world_size,
         strategy.num_processes,
         strategy.precision_plugin.precision,
-        strategy.device_memory,
-        config.policy if config is not None else None,
-        strategy.offload_optimizer,
-        strategy.offload_params,
+        config.device_memory,
+        checkpointing.policy if checkpointing is not None else None,
+        config.offload_optimizer,
+        config.offload_params,
+        engine=config.engine,
+        nvme_path=config.nvme_path,
     )
-    strategy.stage = stage
     if chosen_policy is not None:
-        strategy.activation_checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
+        checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
+    return stage, checkpointing

@@ -15,9 +15,10 @@ Model state, for Ψ parameters over N data-parallel ranks, as this package's FSD
 
 Mixed-precision Adam is 4 + 4 + 8 = 16 bytes per parameter, the ZeRO paper's 2 + 2 + 12 in another
 split (its fp16 parameter and gradient plus fp32 master, exp_avg and exp_avg_sq): the same 16Ψ at
-stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the optimizer state
-(stage >= 1), ``offload_params`` the parameter shards (stage 3), and both together (FSDP2
-``CPUOffloadPolicy``, the optimizer steps on the host) the gradient shards as well.
+stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the optimizer state,
+``offload_params`` the parameter shards (stage 3), and both together (FSDP2 ``CPUOffloadPolicy``, the
+optimizer steps on the host) the gradient shards as well. Which flag combinations run at all is the
+strategy's rule, not this module's: :mod:`lightning_shard.planner.accepted` asks ``ShardConfig``.
 
 Working buffers are what exists only during a step, on top of the model state and activations:
 
@@ -32,10 +33,11 @@ Working buffers are what exists only during a step, on top of the model state an
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from lightning_shard._plan_model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
+from lightning_shard.planner.model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
 
 Offload = Literal["none", "cpu", "nvme"]
 Optimizer = Literal["adam", "adamw", "sgd", "momentum"]
@@ -76,35 +78,36 @@ class Config:
             self.offload_params != "none",
         )
 
-    def strategy_line(self) -> str:
+    def strategy_kwargs(self, engine: str = "auto", nvme_path: str | None = None) -> dict[str, Any]:
+        """These flags as ``ShardStrategy`` keyword arguments, defaults left out.
+
+        ``engine`` and ``nvme_path`` are not searched: they are kept as the user fixed them (the path
+        only where something goes to NVMe, since the strategy refuses a path that nothing uses).
+        """
+        kwargs: dict[str, Any] = {"stage": self.stage}
+        if engine != "auto":
+            kwargs["engine"] = engine
+        for flag in ("offload_optimizer", "offload_params", "activation_checkpointing"):
+            if getattr(self, flag) != "none":
+                kwargs[flag] = getattr(self, flag)
+        if nvme_path is not None and "nvme" in (self.offload_optimizer, self.offload_params):
+            kwargs["nvme_path"] = nvme_path
+        return kwargs
+
+    def strategy_line(self, engine: str = "auto", nvme_path: str | None = None) -> str:
         """The exact ``ShardStrategy(...)`` call, naming only flags that differ from the defaults."""
-        args = [f"stage={self.stage}"]
-        if self.offload_optimizer != "none":
-            args.append(f'offload_optimizer="{self.offload_optimizer}"')
-        if self.offload_params != "none":
-            args.append(f'offload_params="{self.offload_params}"')
-        if self.activation_checkpointing != "none":
-            args.append(f'activation_checkpointing="{self.activation_checkpointing}"')
-        return f"ShardStrategy({', '.join(args)})"
+        return format_strategy(self.strategy_kwargs(engine, nvme_path))
+
+
+def format_strategy(kwargs: dict[str, Any]) -> str:
+    """``ShardStrategy(stage=3, offload_optimizer="cpu")``: Python that evaluates to the strategy."""
+    # json.dumps quotes and escapes a string as a valid Python literal too (paths with quotes or backslashes).
+    args = [f"{name}={json.dumps(v) if isinstance(v, str) else repr(v)}" for name, v in kwargs.items()]
+    return f"ShardStrategy({', '.join(args)})"
 
 
 def unsupported(config: Config, layers: int) -> str | None:
-    """Why ``config`` cannot run, or None. Each reason names the flag and the fix."""
-    if config.offload_params != "none" and config.stage != 3:
-        return (
-            f'offload_params="{config.offload_params}" needs stage=3 (got stage={config.stage}):'
-            " parameters are only sharded at stage 3."
-        )
-    if config.offload_optimizer != "none" and config.stage == 0:
-        return (
-            f'offload_optimizer="{config.offload_optimizer}" needs stage >= 1 (got stage=0): the host steps'
-            " the shard of the optimizer state each rank owns."
-        )
-    if config.offload_optimizer == "nvme" and config.stage != 3:
-        return (
-            f'offload_optimizer="nvme" needs stage=3 (got stage={config.stage}): DeepSpeed ignores NVMe'
-            " optimizer offload below stage 3."
-        )
+    """Why this model cannot run ``config``, or None; the flags themselves are checked by the strategy."""
     if config.activation_checkpointing != "none" and layers == 0:
         return (
             f'activation_checkpointing="{config.activation_checkpointing}" needs repeated blocks, and the'
@@ -127,6 +130,13 @@ class Breakdown:
     usable: int
     buffers_detail: dict[str, int] = field(default_factory=dict)
     unsupported: str | None = None
+    """Why this configuration cannot run (the strategy's or the model's reason), or None."""
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The ``ShardStrategy`` keyword arguments this row stands for (filled when it is checked)."""
+
+    @property
+    def strategy_line(self) -> str:
+        return format_strategy(self.strategy_kwargs or self.config.strategy_kwargs())
 
     @property
     def model_state(self) -> int:

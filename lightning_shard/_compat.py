@@ -1,0 +1,181 @@
+"""Every private torch / Lightning API the core uses, imported here and nowhere else.
+
+Each one is imported under a guard. Where the public API can do the same job, a fallback written on
+it takes over when a release removes the private one (the tests run every fallback against the real
+thing); where nothing public can, using it raises an error naming the API and the versions this
+package was tested with, so a new release degrades one feature instead of breaking
+``import lightning_shard``. docs/compatibility.md lists them all, with the ones outside the core.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TESTED = "torch 2.6-2.13, lightning 2.5-2.6"
+
+
+def _unavailable(name: str, error: Exception) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"lightning_shard needs {name}, which this torch / lightning release does not have ({error})."
+            f" It was tested with {TESTED}: install one of those versions."
+        ) from error
+
+    return fail
+
+
+# --- process groups (lightning.fabric.utilities.distributed) ---------------------------------------
+
+
+def distributed_is_initialized_fallback() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_backend_fallback(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_dist_connection_fallback(
+    cluster_environment: Any, backend: str, timeout: timedelta | None = None, device_id: Any = None
+) -> None:
+    if distributed_is_initialized_fallback():
+        return
+    os.environ["MASTER_ADDR"] = cluster_environment.main_address
+    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(
+        backend,
+        rank=cluster_environment.global_rank(),
+        world_size=cluster_environment.world_size(),
+        device_id=device_id,
+        **kwargs,
+    )
+
+
+def sync_ddp_fallback(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    if not distributed_is_initialized_fallback():
+        return tensor
+    op = str(reduce_op).lower().rsplit(".", 1)[-1]
+    out = tensor.clone()
+    if op in ("max", "min"):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
+        return out
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    if op in ("mean", "avg"):
+        out = out / dist.get_world_size(group)
+    return out
+
+
+try:
+    from lightning.fabric.utilities.distributed import (
+        _distributed_is_initialized as distributed_is_initialized,
+    )
+    from lightning.fabric.utilities.distributed import (
+        _get_default_process_group_backend_for_device as default_backend,
+    )
+    from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp
+except ImportError:  # pragma: no cover  (exercised through the fallbacks' own tests)
+    distributed_is_initialized = distributed_is_initialized_fallback
+    default_backend = default_backend_fallback
+    init_dist_connection = init_dist_connection_fallback  # type: ignore[assignment]
+    sync_ddp = sync_ddp_fallback  # type: ignore[assignment]
+
+
+# --- modules and optimizers -------------------------------------------------------------------------
+
+
+def optimizers_to_device_fallback(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != device and key != "step":
+                    state[key] = value.to(device)
+
+
+def materialize_fallback(module: torch.nn.Module, device: torch.device) -> None:
+    """Allocate parameters left on the meta device and run their modules' ``reset_parameters``."""
+    for sub in module.modules():
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+            sub.to_empty(device=device, recurse=False)
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+try:
+    from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_module
+except ImportError:  # pragma: no cover
+    materialize_module = materialize_fallback
+try:
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+except ImportError:  # pragma: no cover
+    optimizers_to_device = optimizers_to_device_fallback  # type: ignore[assignment]
+
+
+# --- Lightning's step routing and launcher (no public equivalent) ----------------------------------
+
+try:
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection
+except ImportError as error:  # pragma: no cover
+    ForwardRedirection = _unavailable("lightning.pytorch.strategies.strategy._ForwardRedirection", error)  # type: ignore[misc,assignment]
+try:
+    from lightning.pytorch.strategies.ddp import _DDPForwardRedirection as DDPForwardRedirection
+except ImportError as error:  # pragma: no cover
+    DDPForwardRedirection = _unavailable("lightning.pytorch.strategies.ddp._DDPForwardRedirection", error)  # type: ignore[misc,assignment]
+try:
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as SubprocessScriptLauncher,
+    )
+except ImportError as error:  # pragma: no cover
+    SubprocessScriptLauncher = _unavailable(  # type: ignore[misc,assignment]
+        "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher", error
+    )
+
+
+# --- torch.distributed.checkpoint's key flattening ----------------------------------------------------
+
+
+def flatten_state_dict_fallback(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's flattening of nested dicts and lists: keys joined with ".", as its ``.metadata`` stores them."""
+    flat: dict[str, Any] = {}
+    mapping: dict[str, Any] = {}
+
+    def visit(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, Mapping) and value:
+            for key, item in value.items():
+                visit(item, (*path, str(key)))
+        elif isinstance(value, list) and any(isinstance(item, (Mapping, list)) for item in value):
+            for index, item in enumerate(value):
+                visit(item, (*path, str(index)))
+        else:
+            flat[".".join(path)] = value
+            mapping[".".join(path)] = path
+
+    visit(state, ())
+    return flat, mapping
+
+
+try:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+except ImportError:  # pragma: no cover
+    flatten_state_dict = flatten_state_dict_fallback  # type: ignore[assignment]
+
+
+# --- torch's extension build root (public: torch documents TORCH_EXTENSIONS_DIR and its default) ----
+
+
+def build_directory() -> Path:
+    """The root under which torch JIT-builds C++ extensions (DeepSpeed's CPU-Adam, async I/O)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "torch_extensions"

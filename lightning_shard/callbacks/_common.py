@@ -1,0 +1,32 @@
+"""What the monitors share: one all_gather of a few numbers per rank, and batch-count checks.
+
+Callbacks reach the other ranks only through ``trainer.strategy.all_gather`` (Lightning's own
+contract), so they work under DDP, FSDP2, DeepSpeed or any other strategy and never import an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+
+
+def gather_rows(trainer: L.Trainer, values: Sequence[float]) -> torch.Tensor:
+    """All ranks' ``values`` as a (world_size, len(values)) CPU float64 tensor, from one all_gather."""
+    device = trainer.strategy.root_device
+    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    local = torch.tensor([float(v) for v in values], dtype=dtype, device=device)
+    if trainer.world_size == 1:
+        return local.view(1, -1).double().cpu()
+    return trainer.strategy.all_gather(local).reshape(-1, len(values)).double().cpu()
+
+
+def check_count(owner: str, flag: str, value: Any, example: int) -> None:
+    """Raise unless ``value`` is an int >= 1 (bool is not a count), naming ``owner(flag=value)`` and a fix."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{owner}({flag}={value!r}) must be an int >= 1 (a number of training batches)."
+            f" Use e.g. {flag}={example}."
+        )

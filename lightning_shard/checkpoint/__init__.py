@@ -1,0 +1,58 @@
+"""Checkpoints: sharded (DCP), async, one-file and DeepSpeed's, all committed by one protocol.
+
+Layout of a sharded checkpoint ``<name>.ckpt/`` (a directory):
+
+* DCP shards and ``.metadata`` for ``{"state_dict": model, "optimizer_0": ..., ...}``, keyed by
+  parameter name, so a checkpoint written by N ranks at any stage loads on M ranks at any stage;
+* ``meta.pt``: everything else Lightning saves (loops, callbacks, LR schedulers, hyperparameters).
+
+Modules: :mod:`._commit` (``NAME.tmp`` -> rename, used by every writer), :mod:`.layout` (names,
+kinds), :mod:`.sharded` (DCP save / load into any layout), :mod:`.async_save` (background writes),
+:mod:`.weights` (full weights in one process, ``consolidate``), :mod:`._errors` (why a resume fails,
+said on every rank).
+"""
+
+from lightning_shard.checkpoint._commit import TMP_SUFFIX, commit, remove, save_file, write_committed
+from lightning_shard.checkpoint._errors import CheckpointLoadError
+from lightning_shard.checkpoint.async_save import (
+    AsyncCheckpointer,
+    AsyncCheckpointError,
+    new_checkpoint_group,
+)
+from lightning_shard.checkpoint.layout import (
+    DEEPSPEED_TAG,
+    META_FILENAME,
+    MODEL_KEY,
+    is_deepspeed_checkpoint,
+    is_sharded_checkpoint,
+    optimizer_key,
+    read_metadata,
+)
+from lightning_shard.checkpoint.sharded import load_full_into, load_sharded_into, read_meta, save_sharded
+from lightning_shard.checkpoint.weights import check_deepspeed_checkpoint, consolidate, load_model_weights
+
+__all__ = [
+    "DEEPSPEED_TAG",
+    "META_FILENAME",
+    "MODEL_KEY",
+    "TMP_SUFFIX",
+    "AsyncCheckpointError",
+    "AsyncCheckpointer",
+    "CheckpointLoadError",
+    "check_deepspeed_checkpoint",
+    "commit",
+    "consolidate",
+    "is_deepspeed_checkpoint",
+    "is_sharded_checkpoint",
+    "load_full_into",
+    "load_model_weights",
+    "load_sharded_into",
+    "new_checkpoint_group",
+    "optimizer_key",
+    "read_meta",
+    "read_metadata",
+    "remove",
+    "save_file",
+    "save_sharded",
+    "write_committed",
+]

@@ -1,0 +1,157 @@
+"""One validated configuration: every ShardStrategy flag and every cross-flag rule, in one place.
+
+``ShardConfig.from_flags(...)`` runs when the strategy is built, before any process starts, and is
+the only place a flag combination is accepted or refused. The engines, ``stage="auto"`` and the
+planner read the same frozen object, so the planner can only recommend what the strategy accepts
+and the installed packages can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning_shard import offload
+from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+
+EngineName = Literal["fsdp", "deepspeed"]
+EngineFlag = Literal["auto", "fsdp", "deepspeed"]
+CheckpointMode = Literal["sharded", "full"]
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """ShardStrategy's flags after validation (see :class:`~lightning_shard.ShardStrategy` for each)."""
+
+    stage: int | Literal["auto"]
+    engine: EngineName
+    """The engine that serves the flags: ``engine="auto"`` resolved (FSDP2 unless a flag needs DeepSpeed)."""
+    checkpoint: CheckpointMode = "sharded"
+    offload_optimizer: offload.OffloadDevice | None = None
+    offload_params: offload.OffloadDevice | None = None
+    nvme_path: str | None = None
+    pin_memory: bool | None = None
+    shard_modules: tuple[type, ...] | None = None
+    """Sharding-unit classes at stages 2-3 (None: the model's repeated block class)."""
+    activation_checkpointing: Any = None
+    """An ``ActivationCheckpointing`` config, or None."""
+    device_memory: int | str | None = None
+    async_checkpoint: bool = False
+    skip_nonfinite: bool = False
+    max_skipped: int = 10
+    process_group_backend: str | None = None
+    timeout: timedelta | None = None
+
+    @classmethod
+    def from_flags(
+        cls,
+        stage: Any = 3,
+        engine: str = "auto",
+        shard_modules: Any = None,
+        checkpoint: str = "sharded",
+        offload_optimizer: str | None = None,
+        offload_params: str | None = None,
+        nvme_path: str | None = None,
+        pin_memory: bool | None = None,
+        activation_checkpointing: Any = None,
+        device_memory: int | str | None = None,
+        async_checkpoint: bool = False,
+        skip_nonfinite: bool = False,
+        max_skipped: Any = 10,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> ShardConfig:
+        """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
+        from lightning_shard.activation_checkpointing import ActivationCheckpointing
+
+        _check_scalars(stage, engine, checkpoint, async_checkpoint, max_skipped)
+        # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
+        engine_name = offload.validate(
+            3 if stage == "auto" else stage, offload_optimizer, offload_params, nvme_path, engine
+        )
+        if stage == "auto" and offload_params is not None:
+            stage = 3  # parameter offload exists only at stage 3: nothing left to choose
+        if device_memory is not None:
+            if stage != "auto":
+                raise ValueError(
+                    f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
+                    " Drop device_memory or set stage='auto'."
+                )
+            from lightning_shard.planner.units import parse_size
+
+            parse_size(device_memory, "ShardStrategy(device_memory)")
+        if engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
+            flag = "async_checkpoint=True" if async_checkpoint else "skip_nonfinite=True"
+            raise ValueError(
+                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for engine={engine!r},"
+                f" offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r}). DeepSpeed writes"
+                " its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine for this flag."
+            )
+        return cls(
+            stage=stage,
+            engine=engine_name,  # type: ignore[arg-type]
+            checkpoint=checkpoint,  # type: ignore[arg-type]
+            offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
+            offload_params=offload_params,  # type: ignore[arg-type]
+            nvme_path=nvme_path,
+            pin_memory=pin_memory,
+            shard_modules=resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)"),
+            activation_checkpointing=ActivationCheckpointing.from_flag(
+                activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
+            ),
+            device_memory=device_memory,
+            async_checkpoint=async_checkpoint,
+            skip_nonfinite=skip_nonfinite,
+            max_skipped=max_skipped,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    def replace(self, **changes: Any) -> ShardConfig:
+        """A copy with ``changes`` (``stage="auto"`` resolved at setup, say), checked again."""
+        if "stage" in changes and changes["stage"] not in STAGES:
+            raise ValueError(f"ShardConfig.replace(stage={changes['stage']!r}) is not a ZeRO stage.")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_stage(self) -> int:
+        """The ZeRO stage; only valid once ``stage="auto"`` has been resolved at setup."""
+        if not isinstance(self.stage, int):
+            raise RuntimeError(
+                "ShardStrategy(stage='auto') is only resolved once the Trainer sets the model up."
+            )
+        return self.stage
+
+
+def _check_scalars(
+    stage: Any, engine: str, checkpoint: str, async_checkpoint: bool, max_skipped: Any
+) -> None:
+    if stage != "auto" and (isinstance(stage, bool) or stage not in STAGES):
+        raise ValueError(
+            f"ShardStrategy(stage={stage!r}) is not a ZeRO stage. Use 0 (DDP), 1 (optimizer state sharded),"
+            " 2 (+ gradients), 3 (+ parameters), or 'auto' (planned from the model and device memory)."
+        )
+    if engine not in ("auto", "fsdp", "deepspeed"):
+        raise ValueError(f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'.")
+    if checkpoint not in ("sharded", "full"):
+        raise ValueError(
+            f"ShardStrategy(checkpoint={checkpoint!r}) is unknown. Use 'sharded' (one shard per rank, a directory)"
+            " or 'full' (one file readable with torch.load)."
+        )
+    if async_checkpoint and checkpoint != "sharded":
+        raise ValueError(
+            f"ShardStrategy(async_checkpoint=True) needs checkpoint='sharded' (got checkpoint={checkpoint!r}):"
+            " a single full file is gathered on one rank and cannot be written in the background per shard."
+            " Use checkpoint='sharded' or async_checkpoint=False."
+        )
+    if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 1:
+        raise ValueError(
+            f"ShardStrategy(max_skipped={max_skipped!r}) must be an integer >= 1: the number of consecutive"
+            " non-finite steps to skip before stopping."
+        )
+
+
+__all__ = ["CheckpointMode", "EngineFlag", "EngineName", "ModuleClassSpec", "ShardConfig"]

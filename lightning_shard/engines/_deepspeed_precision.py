@@ -1,0 +1,97 @@
+"""DeepSpeed's precision rules, kept with the DeepSpeed engine (as Lightning keeps its DeepSpeed plugin).
+
+Once DeepSpeed has wrapped the model it holds the low-precision weights, scales the loss and clips
+inside its own step: the plugin then only casts floating inputs to the weights' dtype and leaves
+autocast, loss scaling and clipping to the engine. Before that (evaluation outside ``fit``, where
+the module runs unwrapped with fp32 weights) it behaves like :class:`ShardPrecision`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard.precision import ShardPrecision
+
+COMM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def check_precision(stage: int | str, precision: ShardPrecision) -> None:
+    """Refuse precisions DeepSpeed cannot serve, naming the fix (``stage`` may still be ``"auto"``)."""
+    if precision.precision == "bf16-true":
+        raise ValueError(
+            "ShardStrategy(engine='deepspeed') cannot run precision='bf16-true': DeepSpeed always keeps fp32 master"
+            " weights. Use 'bf16-mixed', or engine='fsdp' for bf16-true."
+        )
+    if precision.precision == "16-mixed" and stage == 0:
+        # DeepSpeed's fp16 optimizer without ZeRO divides every gradient by the loss scale in step(),
+        # but engine.backward() only scales the loss for ZeRO optimizers: each update comes out
+        # 65536x too small and the weights never move (DeepSpeed 0.19; deepspeedai/DeepSpeed#8393).
+        raise ValueError(
+            "ShardStrategy(stage=0, engine='deepspeed') cannot run precision='16-mixed': without ZeRO,"
+            " DeepSpeed unscales fp16 gradients that its backward never scaled, so training stalls."
+            " Use stage=1 or higher, precision='bf16-mixed', or engine='fsdp' for stage 0."
+        )
+    if precision.reduce_dtype is not None and precision.reduce_dtype not in COMM_DTYPES:
+        raise ValueError(
+            f"ShardPrecision(reduce_dtype={precision.reduce_dtype}) is not available with engine='deepspeed',"
+            " which reduces gradients in torch.float32, torch.bfloat16 or torch.float16. Use one of those."
+        )
+
+
+class DeepSpeedPrecision(ShardPrecision):
+    """:class:`ShardPrecision` for the DeepSpeed engine; built from the Trainer's precision like it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_active = False
+        self.engine_clip_val: float | None = None  # the clip value DeepSpeed applies inside its step
+
+    def engine_started(self, clip_val: float | None) -> None:
+        self.engine_active, self.engine_clip_val = True, clip_val
+
+    @override
+    def setup_device(self, device: torch.device, process_group: Any = None) -> None:
+        self.device_type = device.type  # no loss scaler: DeepSpeed scales fp16 losses itself
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not (self.engine_active and self.param_dtype is not None):
+            return super().convert_input(data)
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        dtype = self.param_dtype
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.engine_active:
+            yield  # DeepSpeed holds the weights in the compute dtype: no autocast
+            return
+        with super().forward_context():
+            yield
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val and clip_val != self.engine_clip_val:
+            # Only self.clip_gradients() in manual optimization gets here with its own value: DeepSpeed
+            # clips inside its step, at the Trainer's gradient_clip_val, which Lightning does not allow
+            # with manual optimization.
+            raise ValueError(
+                f"self.clip_gradients(gradient_clip_val={clip_val}) is not available with"
+                " ShardStrategy(engine='deepspeed'), which clips inside its optimizer step from"
+                " Trainer(gradient_clip_val=...) only (not allowed with manual optimization)."
+                " Use engine='fsdp' to clip in manual optimization, or automatic optimization."
+            )

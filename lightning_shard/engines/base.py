@@ -1,0 +1,180 @@
+"""The engine contract: everything ShardStrategy asks of a sharding engine, and nothing else.
+
+ShardStrategy owns processes, the device mesh and Lightning's hooks; an engine owns how the module
+and its optimizers are wrapped, how gradients are reduced and stepped, how state is saved and
+loaded, and what it must release at the end. The strategy builds one engine (``engines.build``)
+and talks to it only through this class, so a third engine is one more subclass and one more line
+in ``engines.build``, with no change to the strategy.
+
+Lifecycle, per Trainer call (``fit``, ``validate``, ``test``, ``predict``; any order, any number)::
+
+    setup_module(module)             -> the module to run (wrapped once; re-used on later calls)
+    setup_optimizers(model, opts)    -> (model, optimizers) to train with       (fit only)
+    pre_backward / backward / step   (training; ``owns_step`` says who runs backward and step)
+    no_sync(model)                   (accumulation: no gradient communication on this micro-batch)
+    save_checkpoint / load_checkpoint / remove_checkpoint
+    state_bytes(model, optimizers)   -> bytes held, by kind and by place (one shape for every engine)
+    teardown()                       (every thread, process group and file the engine made)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shard import _compat
+from lightning_shard.config import ShardConfig
+from lightning_shard.precision import ShardPrecision
+
+PLACES = ("accelerator", "host", "nvme")
+KINDS = ("parameters", "gradients", "optimizer")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What an engine needs to know about the processes it runs in (filled in by the strategy)."""
+
+    device: torch.device
+    mesh: Any
+    """The data-parallel ``DeviceMesh``."""
+    global_rank: int
+    world_size: int
+    backend: str
+    barrier: Callable[[], None]
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The Trainer flags an engine that owns backward and step must follow."""
+
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+
+
+@dataclass
+class StateBytes:
+    """Bytes of model state this rank holds: ``{kind: {place: bytes}}`` plus totals."""
+
+    held: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {k: dict.fromkeys(PLACES, 0) for k in KINDS}
+    )
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        place = "host" if tensor.device.type == "cpu" else "accelerator"
+        self.held[kind][place] += tensor.numel() * tensor.element_size()
+
+    def total(self, kind: str) -> int:
+        return sum(self.held[kind].values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"parameters": {"accelerator", "host", "nvme"}, "gradients": ..., "optimizer": ..., "total": int}``."""
+        return {**{k: dict(v) for k, v in self.held.items()}, "total": sum(self.total(k) for k in KINDS)}
+
+
+class Engine(ABC):
+    """One way of sharding: the strategy's only collaborator for wrapping, stepping and state."""
+
+    #: ``True`` when the engine runs backward and the optimizer step itself (DeepSpeed); then it also
+    #: counts accumulation micro-batches and clips from ``TrainSettings``.
+    owns_step: bool = False
+    #: The precision plugin class this engine runs with (built from the Trainer's precision).
+    precision_class: type[ShardPrecision] = ShardPrecision
+
+    @classmethod
+    def check_precision(cls, stage: int | str, precision: ShardPrecision) -> None:
+        """Refuse a precision this engine cannot serve (called when the Trainer assigns it)."""
+        return None
+
+    def __init__(self, config: ShardConfig, precision: ShardPrecision, run: RunContext) -> None:
+        self.config = config
+        self.precision = precision
+        self.run = run
+
+    #: Routes ``training_step`` & co. through the wrapper's forward (Lightning's ``_ForwardRedirection``).
+    forward_redirection: Any = _compat.ForwardRedirection()
+
+    def routes_through_forward(self, model: nn.Module, module: nn.Module) -> bool:
+        """Whether a step must run inside ``model``'s forward (its hooks gather, reduce, count)."""
+        return model is not module
+
+    @property
+    def stage(self) -> int:
+        return self.config.resolved_stage
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Return the module to run; a module this engine already wrapped is returned as it is."""
+
+    @abstractmethod
+    def setup_optimizers(
+        self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
+    ) -> tuple[nn.Module, list[Optimizer]]:
+        """Return the model to train and the optimizers to step (the user's, sharded or replaced);
+        LR ``schedulers`` of a replaced optimizer are pointed at its replacement."""
+
+    # --- training --------------------------------------------------------------------------------
+
+    def pre_backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:  # noqa: B027
+        """Called before every backward (``manual``: inside ``training_step``, manual optimization)."""
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:
+        """Run backward on ``loss`` (only called when ``owns_step``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not own backward")
+
+    def step(self, model: nn.Module, optimizer: Optimizer) -> None:
+        """Step the optimizer (only called when ``owns_step``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not own the optimizer step")
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
+        """No gradient communication inside: a non-final accumulation micro-batch."""
+        yield
+
+    # --- state -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def save_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
+    ) -> None:
+        """Write ``checkpoint`` (Lightning's dict, model and optimizer state filled in) under ``path``,
+        visible under that name only once complete on every rank."""
+
+    @abstractmethod
+    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
+        """Load model (and, where given, optimizer) state from ``path``; return Lightning's remaining dict."""
+
+    def remove_checkpoint(self, path: Path) -> None:
+        if self.run.is_global_zero:
+            from lightning_shard.checkpoint import remove
+
+            remove(path)
+
+    @abstractmethod
+    def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
+        """The model's state dict: this rank's shards, or (``full``) the whole model."""
+
+    @abstractmethod
+    def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+        """An optimizer's state keyed by parameter name: this rank's shards, or (``full``) all of it."""
+
+    @abstractmethod
+    def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
+        """Bytes of parameters, gradients and optimizer state this rank holds, by place."""
+
+    def teardown(self) -> None:  # noqa: B027
+        """Release what the engine made: threads, process groups, swap and temporary files."""

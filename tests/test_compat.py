@@ -1,0 +1,118 @@
+"""Every fallback in lightning_shard._compat does what the private API it stands in for does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shard import _compat
+from tests._dist import run_ranks
+
+
+def test_backend_and_initialized_fallbacks_match():
+    from lightning.fabric.utilities.distributed import (
+        _distributed_is_initialized,
+        _get_default_process_group_backend_for_device,
+    )
+
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        assert _compat.default_backend_fallback(device) == _get_default_process_group_backend_for_device(
+            device
+        )
+    assert _compat.distributed_is_initialized_fallback() is _distributed_is_initialized() is False
+
+
+def _stateful_optimizer() -> torch.optim.Optimizer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_optimizers_to_device_fallback_matches():
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    real, fallback = _stateful_optimizer(), _stateful_optimizer()
+    _optimizers_to_device([real], torch.device("meta"))
+    _compat.optimizers_to_device_fallback([fallback], torch.device("meta"))
+    for a, b in zip(real.state.values(), fallback.state.values(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert a[key].device == b[key].device == torch.device("meta")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+def test_materialize_fallback_matches():
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return _Net()
+
+    real, fallback = build(), build()
+    torch.manual_seed(3)
+    _materialize_distributed_module(real, torch.device("cpu"))
+    torch.manual_seed(3)
+    _compat.materialize_fallback(fallback, torch.device("cpu"))
+    assert not any(p.is_meta for p in fallback.parameters())
+    for (name, a), (_, b) in zip(real.state_dict().items(), fallback.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_flatten_state_dict_fallback_matches():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    optimizer = _stateful_optimizer()
+    state = {"state_dict": {"w": torch.ones(2)}, "optimizer_0": optimizer.state_dict()}
+    assert set(_compat.flatten_state_dict_fallback(state)[0]) == set(flatten_state_dict(state)[0])
+
+
+def test_build_directory_is_where_torch_builds(tmp_path, monkeypatch):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert _compat.build_directory() == tmp_path / "ext"
+    assert Path(_get_build_directory("op", verbose=False)).is_relative_to(tmp_path / "ext")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert Path(_get_build_directory("op", verbose=False)).is_relative_to(_compat.build_directory())
+
+
+def test_a_missing_private_api_names_itself_and_the_tested_versions():
+    fail = _compat._unavailable("torch.secret_thing", ImportError("gone"))
+    with pytest.raises(RuntimeError, match=r"needs torch.secret_thing.*gone.*tested with torch 2\.6"):
+        fail()
+
+
+def _collectives() -> dict[str, list[float]]:
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    _compat.init_dist_connection_fallback(TorchElasticEnvironment(), "gloo")
+    assert torch.distributed.get_world_size() == 2
+    value = torch.tensor([1.0 + torch.distributed.get_rank(), -2.0])
+    out = {}
+    for op in ("mean", "sum", "max", "min"):
+        out[op] = [
+            _compat.sync_ddp_fallback(value, None, op).tolist(),
+            _sync_ddp_if_available(value.clone(), None, op).tolist(),
+        ]
+    return out
+
+
+@pytest.mark.multirank
+def test_process_group_and_reduction_fallbacks_match():
+    for rank_result in run_ranks(_collectives):
+        for op, (fallback, real) in rank_result.items():
+            assert fallback == real, op
+        assert rank_result["sum"][0] == [3.0, -4.0]
