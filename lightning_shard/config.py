@@ -90,6 +90,10 @@ class ShardConfig:
                 f" offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r}). DeepSpeed writes"
                 " its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine for this flag."
             )
+        checkpointing = ActivationCheckpointing.from_flag(
+            activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
+        )
+        _check_checkpointing(stage, engine_name, checkpointing)
         return cls(
             stage=stage,
             engine=engine_name,  # type: ignore[arg-type]
@@ -99,9 +103,7 @@ class ShardConfig:
             nvme_path=nvme_path,
             pin_memory=pin_memory,
             shard_modules=resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)"),
-            activation_checkpointing=ActivationCheckpointing.from_flag(
-                activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
-            ),
+            activation_checkpointing=checkpointing,
             device_memory=device_memory,
             async_checkpoint=async_checkpoint,
             skip_nonfinite=skip_nonfinite,
@@ -114,7 +116,9 @@ class ShardConfig:
         """A copy with ``changes`` (``stage="auto"`` resolved at setup, say), checked again."""
         if "stage" in changes and changes["stage"] not in STAGES:
             raise ValueError(f"ShardConfig.replace(stage={changes['stage']!r}) is not a ZeRO stage.")
-        return dataclasses.replace(self, **changes)
+        changed = dataclasses.replace(self, **changes)
+        _check_checkpointing(changed.stage, changed.engine, changed.activation_checkpointing)
+        return changed
 
     @property
     def resolved_stage(self) -> int:
@@ -124,6 +128,18 @@ class ShardConfig:
                 "ShardStrategy(stage='auto') is only resolved once the Trainer sets the model up."
             )
         return self.stage
+
+
+def _check_checkpointing(stage: Any, engine: str, checkpointing: Any) -> None:
+    policy = getattr(checkpointing, "policy", None)
+    if engine == "deepspeed" and stage == 3 and policy == "selective":
+        # ZeRO-3 gathers parameters inside the checkpointed region; the selective policy's saved ops
+        # then no longer line up with what the recompute runs.
+        raise ValueError(
+            "ShardStrategy(stage=3, engine='deepspeed', activation_checkpointing='selective') cannot run:"
+            " DeepSpeed ZeRO-3 gathers parameters inside each block, which selective recompute cannot replay."
+            " Use activation_checkpointing='full', or engine='fsdp' for selective checkpointing at stage 3."
+        )
 
 
 def _check_scalars(

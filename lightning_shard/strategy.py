@@ -106,6 +106,7 @@ class ShardStrategy(ProcessGroupStrategy):
         self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
         self._engine: Engine | None = None
         self._engine_live = False
+        self._checkpointed_module: L.LightningModule | None = None
 
     # --- the validated flags ---------------------------------------------------------------------
 
@@ -208,8 +209,10 @@ class ShardStrategy(ProcessGroupStrategy):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
-        if self.activation_checkpointing is not None:
+        if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
+            # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
+            self._checkpointed_module = self._lm
         self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
         if self._engine is None or not self._engine_live:
             run = RunContext(

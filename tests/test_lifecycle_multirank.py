@@ -124,8 +124,15 @@ def _sampler(kind: str) -> dict[str, Any]:
 
 
 def _matrix(kind: str, engine: str, root: str) -> dict[int, dict[str, Any]]:
+    # The GPT also runs with activation checkpointing: applied once, on the first call only.
+    checkpointing = None if kind != "gpt" else ("selective" if engine == "fsdp" else "full")
     return {
-        stage: _sequence(kind, 2, ShardStrategy(stage=stage, engine=engine), str(Path(root) / f"s{stage}"))
+        stage: _sequence(
+            kind,
+            2,
+            ShardStrategy(stage=stage, engine=engine, activation_checkpointing=checkpointing),
+            str(Path(root) / f"s{stage}"),
+        )
         for stage in STAGES
     }
 

@@ -130,3 +130,13 @@ def test_auto_stage_flags():
         ShardStrategy(stage=2, device_memory="16GB")
     with pytest.raises(ValueError, match=r"device_memory.*unknown unit"):
         ShardStrategy(stage="auto", device_memory="16XB")
+
+
+@pytest.mark.deepspeed
+def test_selective_checkpointing_with_deepspeed_zero3_is_refused():
+    with pytest.raises(
+        ValueError, match=r"engine='deepspeed', activation_checkpointing='selective'\) cannot run"
+    ):
+        ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="selective")
+    ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="full")
+    ShardStrategy(stage=2, engine="deepspeed", activation_checkpointing="selective")
