@@ -43,7 +43,7 @@ class ShardStrategy(ProcessGroupStrategy):
 
     Args:
         stage: ZeRO stage, 0 (replicated, DDP) to 3 (parameters, gradients and optimizer state sharded).
-        engine: ``"auto"`` (FSDP2), ``"fsdp"``, or ``"deepspeed"``.
+        engine: ``"auto"`` (chosen from the other flags) or an engine's name (see docs/architecture.md).
         shard_modules: module classes (or import-path strings) that become sharding units at stages 2-3;
             ``None`` detects the model's repeated block class.
         checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
@@ -135,14 +135,6 @@ class ShardStrategy(ProcessGroupStrategy):
     @property
     def offload_params(self) -> OffloadDevice | None:
         return self.config.offload_params
-
-    @property
-    def nvme_path(self) -> str | None:
-        return self.config.nvme_path
-
-    @property
-    def device_memory(self) -> int | str | None:
-        return self.config.device_memory
 
     # --- precision -------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from tests.test_manual_and_eval_multirank import eval_gpt
 pytestmark = pytest.mark.multirank
 
 STAGES = (0, 1, 2, 3)
+KEYS = ("validate", "test", "test_after_second_fit", "test_from_last", "validate_step3", "test_after_resume")
 _HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 ENGINES = [
     "fsdp",
@@ -88,7 +89,7 @@ def _data(kind: str, devices: int) -> dict[str, Any]:
 def _sequence(kind: str, devices: int, strategy: Any, ckpt_dir: str) -> dict[str, Any]:
     """fit -> validate -> test -> predict -> fit again (continuing), then a fresh model tested from checkpoints."""
     out: dict[str, Any] = {}
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3, save_top_k=-1)
     kwargs = trainer_kwargs(max_steps=3, enable_checkpointing=True, callbacks=[checkpoint])
     if kind == "boring":
         kwargs["use_distributed_sampler"] = False
@@ -108,6 +109,15 @@ def _sequence(kind: str, devices: int, strategy: Any, ckpt_dir: str) -> dict[str
     out["test_from_last"] = fresh.test(
         _model(kind), ckpt_path=str(Path(ckpt_dir) / "last.ckpt"), verbose=False, **data
     )[0]
+    # An explicit path on a fresh model, then a fresh fit resumed from step 3 (continuing to step 6).
+    step3 = str(Path(ckpt_dir) / "epoch=0-step=3.ckpt")
+    out["validate_step3"] = fresh.validate(_model(kind), ckpt_path=step3, verbose=False, **data)[0]
+    resumed = L.Trainer(
+        devices=devices, strategy=_same(strategy), **trainer_kwargs(max_steps=6) | _sampler(kind)
+    )
+    model = _model(kind)
+    resumed.fit(model, ckpt_path=step3, **train)
+    out["test_after_resume"] = resumed.test(model, verbose=False, **data)[0]
     return out
 
 
@@ -143,7 +153,7 @@ def test_fit_validate_test_predict_fit_again_and_test_from_checkpoint(tmp_path, 
     ranks = run_ranks(_matrix, kind, engine, str(tmp_path / "ranks"))
     reference = _sequence(kind, 1, "auto", str(tmp_path / "reference"))
     for stage in STAGES:
-        for key in ("validate", "test", "test_after_second_fit", "test_from_last"):
+        for key in KEYS:
             for rank_result in ranks:
                 got = rank_result[stage][key]
                 assert set(got) == set(reference[key]), (stage, key)

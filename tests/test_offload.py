@@ -208,7 +208,7 @@ def test_nvme_registered_name(tmp_path, monkeypatch):
         strategy.engine_name,
         strategy.offload_optimizer,
         strategy.offload_params,
-        strategy.nvme_path,
+        strategy.config.nvme_path,
     ) == ("deepspeed", "nvme", "nvme", str(tmp_path))
 
 

@@ -46,7 +46,10 @@ def blocks_to_checkpoint(
 
 
 def check_not_checkpointed(module: nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    try:  # private torch path; without it, torch's own wrapper simply cannot be detected
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:
+        CheckpointWrapper = ()  # type: ignore[assignment,misc]
 
     already = checkpointed_blocks(module)
     if already:

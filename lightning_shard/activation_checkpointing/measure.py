@@ -78,7 +78,7 @@ def allocated_by(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]
         before = torch.cuda.memory_allocated(device)
         out = fn()
         return out, torch.cuda.memory_allocated(device) - before
-    if torch.autograd.profiler._is_profiler_enabled:
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
         raise RuntimeError(
             "Measuring activation bytes on CPU runs torch.profiler, but a profiler is already running"
             " (e.g. Trainer(profiler='pytorch')). Measure outside the profiled region, or, for"

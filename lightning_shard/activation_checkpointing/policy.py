@@ -13,8 +13,7 @@ default list keeps matmuls, attention kernels (quadratic in sequence length) and
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -132,13 +131,6 @@ def selective_contexts(
 ) -> tuple[AbstractContextManager, AbstractContextManager]:
     """The (forward, recompute) context pair for one selectively checkpointed call."""
     return create_selective_checkpoint_contexts(_SavePolicy(save_ops, save_matmuls))
-
-
-def selective_context_fn(
-    save_ops: frozenset[torch._ops.OpOverload], save_matmuls: SaveMatmuls
-) -> Callable[[], tuple[AbstractContextManager, AbstractContextManager]]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint``."""
-    return functools.partial(selective_contexts, save_ops, save_matmuls)
 
 
 def op_names(ops: Sequence[torch._ops.OpOverload] | frozenset[torch._ops.OpOverload]) -> list[str]:

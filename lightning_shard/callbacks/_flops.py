@@ -24,8 +24,13 @@ except ImportError:  # pragma: no cover - depends on the torch version
 Phase = Literal["forward", "backward", "recompute"]
 
 
+# Private: which autograd graph task runs now (-1: none, i.e. forward). Without it (a future torch),
+# every count is filed under forward: totals stay right, the backward / recompute split is lost.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _autograd_phase() -> Phase:
-    if torch._C._current_graph_task_id() == -1:
+    if _graph_task_id() == -1:
         return "forward"
     return "recompute" if torch.is_grad_enabled() else "backward"
 
