@@ -1,19 +1,8 @@
 """Bytes per device for one configuration (stage, offloads, checkpointing), and the search for the cheapest.
 
-Model state, for Ψ parameters over N data-parallel ranks, as this package's FSDP2 engine holds it::
-
-    p = bytes per stored parameter: 4 (fp32) in 32-true and in mixed precision, 2 in bf16-true
-        (in mixed precision the stored fp32 parameter *is* the master copy: there is no second one)
-    g = p           gradients have the parameter's dtype
-    K = n·p         optimizer state: n tensors the size of the parameter (Adam: exp_avg, exp_avg_sq, n = 2)
-
-    stage   parameters   gradients   optimizer
-    0       Ψ·p          Ψ·g         Ψ·K
-    1       Ψ·p          Ψ·g         Ψ·K / N
-    2       Ψ·p / N      Ψ·g / N     Ψ·K / N     (FSDP2 reshards at rest; gathered from forward to backward)
-    3       Ψ·p / N      Ψ·g / N     Ψ·K / N
-
-Mixed-precision Adam is 4 + 4 + 8 = 16 bytes per parameter, the ZeRO paper's 2 + 2 + 12 in another
+Model state follows the ZeRO table in docs/strategy.md ("Memory per rank"): Ψ parameters over N
+ranks, p bytes per stored parameter, gradients of the parameter's dtype, K = n·p bytes of optimizer
+state (Adam: n = 2). Mixed-precision Adam is 4 + 4 + 8 = 16 bytes per parameter, the ZeRO paper's 2 + 2 + 12 in another
 split (its fp16 parameter and gradient plus fp32 master, exp_avg and exp_avg_sq): the same 16Ψ at
 stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the optimizer state,
 ``offload_params`` the parameter shards (stage 3), and both together (FSDP2 ``CPUOffloadPolicy``, the
