@@ -163,3 +163,28 @@ def test_fit_validate_test_predict_fit_again_and_test_from_checkpoint(tmp_path, 
                     )
         predictions = torch.stack([r[stage]["predict"] for r in ranks], dim=1).flatten(0, 1)
         torch.testing.assert_close(predictions, reference["predict"], rtol=1e-5, atol=1e-6)
+
+
+def _checkpoint_modes(root: str) -> dict[str, dict[str, Any]]:
+    modes = {"full": {"checkpoint": "full"}, "async": {"async_checkpoint": True}}
+    return {
+        f"{name} stage {stage}": _sequence(
+            "boring", 2, ShardStrategy(stage=stage, **flags), str(Path(root) / f"{name}{stage}")
+        )
+        for name, flags in modes.items()
+        for stage in (1, 3)
+    }
+
+
+def test_lifecycle_with_one_file_and_async_checkpoints(tmp_path):
+    ranks = run_ranks(_checkpoint_modes, str(tmp_path / "ranks"))
+    reference = _sequence("boring", 1, "auto", str(tmp_path / "reference"))
+    for case in ranks[0]:
+        for key in KEYS:
+            for rank_result in ranks:
+                for name, value in reference[key].items():
+                    torch.testing.assert_close(
+                        rank_result[case][key][name], value, rtol=1e-5, atol=0, msg=f"{case} {key}"
+                    )
+    assert (tmp_path / "ranks" / "full3" / "last.ckpt").is_file()
+    assert not list((tmp_path / "ranks").rglob("*.tmp"))

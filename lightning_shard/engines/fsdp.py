@@ -271,4 +271,10 @@ class FSDPEngine(Engine):
         if self.stage == 1:
             _zero.load_optimizer_state_dict(model, optimizer, state)
             return
+        if full and not any(state.get("state", {}).values()):
+            # A stateless optimizer (SGD without momentum) saved nothing per parameter; torch's full-state
+            # loader cannot place "nothing" on a device, so only the hyperparameters are restored.
+            for group, saved in zip(optimizer.param_groups, state.get("param_groups", []), strict=False):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
