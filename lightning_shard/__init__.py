@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_shard.checkpoint import CheckpointLoadError
+from lightning_shard.config import ShardConfig
 from lightning_shard.precision import ShardPrecision
 from lightning_shard.strategy import ShardStrategy
 
@@ -12,7 +14,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationCheckpointing",
+    "CheckpointLoadError",
     "MFUMonitor",
+    "ShardConfig",
     "ShardPrecision",
     "ShardStrategy",
     "StragglerDetector",

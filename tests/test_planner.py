@@ -282,7 +282,7 @@ def _same_strategy(a: ShardStrategy, b: ShardStrategy) -> bool:
             s.engine_name,
             s.offload_optimizer,
             s.offload_params,
-            s.nvme_path,
+            s.config.nvme_path,
             ckpt and ckpt.policy,
         )
 
