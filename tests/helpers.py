@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
@@ -12,6 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shard.demos import GPTModule
 
 VOCAB, SEQ = 64, 16
+#: Both engines, for ``pytest.mark.parametrize("engine", ENGINES)``; the conftest skips the DeepSpeed one
+#: (marked ``deepspeed``) where DeepSpeed is not installed.
+ENGINES = ["fsdp", pytest.param("deepspeed", marks=pytest.mark.deepspeed)]
 
 
 def tiny_gpt(**overrides: Any) -> GPTModule:

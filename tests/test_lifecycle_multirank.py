@@ -6,7 +6,6 @@ same sequence in one process: Lightning's own ``BoringModel`` and the demo GPT.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +18,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_shard import ShardStrategy
 from tests._dist import run_ranks
-from tests.helpers import loader, trainer_kwargs
+from tests.helpers import ENGINES, loader, trainer_kwargs
 from tests.test_manual_and_eval_multirank import eval_gpt
 
 pytestmark = pytest.mark.multirank
 
 STAGES = (0, 1, 2, 3)
 KEYS = ("validate", "test", "test_after_second_fit", "test_from_last", "validate_step3", "test_after_resume")
-_HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-ENGINES = [
-    "fsdp",
-    pytest.param(
-        "deepspeed",
-        marks=[pytest.mark.deepspeed, pytest.mark.skipif(not _HAS_DEEPSPEED, reason="needs DeepSpeed")],
-    ),
-]
 
 
 class Boring(BoringModel):

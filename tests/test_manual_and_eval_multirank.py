@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import lightning as L
@@ -12,19 +11,11 @@ import torch.nn.functional as F
 
 from lightning_shard import ShardStrategy
 from tests._dist import run_ranks
-from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
+from tests.helpers import ENGINES, LossRecorder, loader, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
 
 STAGES = (0, 1, 2, 3)
-_HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-ENGINES = [
-    "fsdp",
-    pytest.param(
-        "deepspeed",
-        marks=[pytest.mark.deepspeed, pytest.mark.skipif(not _HAS_DEEPSPEED, reason="needs DeepSpeed")],
-    ),
-]
 
 
 # --- manual optimization --------------------------------------------------------------------------

@@ -9,7 +9,6 @@ optimizer-state paths (ZeRO-1 partitions, sharded moments).
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import lightning as L
@@ -18,7 +17,7 @@ import torch
 
 from lightning_shard import ShardStrategy
 from tests._dist import run_ranks
-from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
+from tests.helpers import ENGINES, LossRecorder, loader, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
 
@@ -30,7 +29,6 @@ CLIP = 0.6
 SGD_LR = 0.5
 # (accumulate_grad_batches, gradient_clip_val): optimizer steps are fixed at 3, so accumulation 2 runs 6 batches.
 SCHEDULES = [(1, None), (1, CLIP), (2, None), (2, CLIP)]
-_HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def sgd_gpt(**overrides: Any) -> L.LightningModule:
@@ -95,15 +93,6 @@ def _check(results: dict, optimizer: str, engine: str) -> None:
                 f"{engine} stage {s}, {optimizer}, accumulate {a}, clip {c}: {m}"
             ),
         )
-
-
-ENGINES = [
-    "fsdp",
-    pytest.param(
-        "deepspeed",
-        marks=[pytest.mark.deepspeed, pytest.mark.skipif(not _HAS_DEEPSPEED, reason="needs DeepSpeed")],
-    ),
-]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
