@@ -1,4 +1,4 @@
-"""Pieces the benchmarks share: the GPT they time, its data, a step timer, 2-rank runs, the JSON report.
+"""Pieces the benchmarks share: the GPT they time, its data, a step timer, the JSON report.
 
 Benchmarks run as scripts (``python benchmarks/bench_x.py``): Python then imports first from the
 script's own directory, so ``from _common import ...`` works, and the demo GPT comes from the
@@ -8,18 +8,12 @@ installed ``lightning_shard.demos``.
 from __future__ import annotations
 
 import json
-import os
-import pickle
-import socket
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 # DESIGN.md's reference shape: GPT-2 style, 6 x 256, seq 128, batch 4 per rank.
@@ -53,45 +47,3 @@ def write_report(report: dict[str, Any], out: str, printed: dict[str, Any] | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(json.dumps(printed if printed is not None else report, indent=2))
-
-
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned processes over gloo; return each rank's result.
-
-    Each rank gets the torchrun environment, so the Trainer inside ``fn`` joins it as an existing
-    process group instead of launching processes of its own (whose results it would have to pickle
-    back, which fails on sharded parameters). Ranks are spawned, never forked, with one thread each.
-    """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank_entry, args=(fn, world_size, port, out_dir, args), nprocs=world_size, start_method="spawn"
-        )
-        results = []
-        for rank in range(world_size):
-            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-    return results
-
-
-def _rank_entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple
-) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    result = fn(*args)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)

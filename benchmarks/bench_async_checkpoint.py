@@ -19,11 +19,12 @@ import time
 
 import lightning as L
 import torch
-from _common import run_ranks, write_report
+from _common import write_report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
 
 WIDTH, DEPTH = 2048, 24  # 24 x 2048^2 = 100.7M parameters
 

@@ -15,10 +15,11 @@ import statistics
 import tempfile
 
 import lightning as L
-from _common import MODEL, StepTimer, run_ranks, token_loader, write_report
+from _common import MODEL, StepTimer, token_loader, write_report
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule
+from lightning_shard.demos.ranks import run_ranks
 
 
 def _configs(nvme_path: str) -> dict[str, dict]:

@@ -14,10 +14,11 @@ import statistics
 
 import lightning as L
 import torch
-from _common import MODEL, StepTimer, run_ranks, token_loader, write_report
+from _common import MODEL, StepTimer, token_loader, write_report
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule
+from lightning_shard.demos.ranks import run_ranks
 
 
 class HandWrittenFSDP2(GPTModule):

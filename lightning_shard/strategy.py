@@ -58,7 +58,7 @@ class ShardStrategy(ProcessGroupStrategy):
             the repeated blocks are checkpointed before they are sharded (same implementation as the callback).
         device_memory: with ``stage="auto"``, the per-device memory to plan for (bytes or e.g. ``"16GB"``);
             default: free accelerator memory, or this rank's share of available RAM on CPU.
-        async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.async_checkpoint`).
+        async_checkpoint: write sharded checkpoints in the background (see :mod:`lightning_shard.checkpoint.async_save`).
         skip_nonfinite: skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf
             on any rank.
         max_skipped: with ``skip_nonfinite``, consecutive skipped steps allowed before training stops.
@@ -102,6 +102,8 @@ class ShardStrategy(ProcessGroupStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
+        self._engine_class = engine_class(self.config.engine)
         super().__init__(self.config.process_group_backend, self.config.timeout, **kwargs)
         self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
         self._engine: Engine | None = None
@@ -142,7 +144,7 @@ class ShardStrategy(ProcessGroupStrategy):
     @override
     def precision_plugin(self) -> ShardPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = engine_class(self.config.engine).precision_class()
+            self._precision_plugin = self._engine_class.precision_class()
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
@@ -152,9 +154,8 @@ class ShardStrategy(ProcessGroupStrategy):
         if plugin is None:
             self._precision_plugin = None
             return
-        engine = engine_class(self.config.engine)
-        precision = engine.precision_class.from_plugin(to_shard_precision(plugin))
-        engine.check_precision(self.config.stage, precision)
+        precision = self._engine_class.precision_class.from_plugin(to_shard_precision(plugin))
+        self._engine_class.check_precision(self.config.stage, precision)
         self._precision_plugin = precision
 
     # --- model side -------------------------------------------------------------------------------
@@ -163,16 +164,6 @@ class ShardStrategy(ProcessGroupStrategy):
     def _lm(self) -> L.LightningModule:
         assert self.lightning_module is not None
         return self.lightning_module
-
-    @property
-    def _stage(self) -> int:
-        return self.config.resolved_stage
-
-    @property
-    def device_mesh(self) -> Any:
-        if self._device_mesh is None:
-            raise RuntimeError("ShardStrategy.device_mesh is only available once processes have started.")
-        return self._device_mesh
 
     @property
     def engine(self) -> Engine:
@@ -215,7 +206,7 @@ class ShardStrategy(ProcessGroupStrategy):
                 backend=str(self.process_group_backend),
                 barrier=self.barrier,
             )
-            self._engine = engine_class(self.config.engine)(self.config, self.precision_plugin, run)
+            self._engine = self._engine_class(self.config, self.precision_plugin, run)
             self._engine_live = True
         self.model = self._engine.setup_module(self.model)
         self.barrier()
@@ -227,7 +218,7 @@ class ShardStrategy(ProcessGroupStrategy):
     @override
     def handles_gradient_accumulation(self) -> bool:
         # An engine that owns the step counts micro-batches itself and steps at the boundary.
-        return engine_class(self.config.engine).owns_step
+        return self._engine_class.owns_step
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -663,7 +663,7 @@ def _two_rank_parity() -> dict:
 
 @pytest.mark.multirank
 def test_two_ranks_ddp_and_model_parallel_match_no_checkpointing() -> None:
-    from _dist import run_ranks
+    from lightning_shard.demos.ranks import run_ranks
 
     for rank_out in run_ranks(_two_rank_parity):
         for name in ("ddp", "fsdp2"):

@@ -23,7 +23,7 @@ from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import CheckpointLoadError, check_deepspeed_checkpoint
 from lightning_shard.checkpoint import _errors as _checkpoint_errors
 from lightning_shard.demos import GPTModule
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 
 multirank = pytest.mark.multirank

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard import ShardStrategy
 from lightning_shard.cli import main as cli_main
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank

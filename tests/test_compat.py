@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_shard import _compat
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 
 
 def test_backend_and_initialized_fallbacks_match():

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import load_model_weights
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
 
 pytest.importorskip("deepspeed")

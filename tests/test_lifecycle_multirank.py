@@ -17,7 +17,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_shard import ShardStrategy
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import ENGINES, loader, trainer_kwargs
 from tests.test_manual_and_eval_multirank import eval_gpt
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_shard import ShardStrategy
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import ENGINES, LossRecorder, loader, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank

@@ -13,6 +13,7 @@ import torch
 
 from lightning_shard import ShardStrategy, cli
 from lightning_shard.demos import GPT, Block
+from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.planner import (
     activation_bytes,
     available_device_memory,
@@ -25,7 +26,6 @@ from lightning_shard.planner import (
 from lightning_shard.planner.memory import Config, candidates
 from lightning_shard.planner.model import build_on_meta, shape_from_params
 from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count, parse_size
-from tests._dist import run_ranks
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]

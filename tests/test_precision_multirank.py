@@ -39,8 +39,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_shard import ShardPrecision, ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.memory import local_tensor
-from tests._dist import run_ranks
 from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
 from tests.test_parity_multirank import sgd_gpt
 

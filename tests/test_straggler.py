@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_shard import MFUMonitor, StragglerDetector
-from tests._dist import run_ranks
+from lightning_shard.demos.ranks import run_ranks
 from tests.test_mfu import BATCH, SEQ, ClockedGPT, FakeClock, fit, loader
 
 

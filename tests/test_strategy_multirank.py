@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.memory import model_state_bytes
-from tests._dist import run_ranks
 from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank

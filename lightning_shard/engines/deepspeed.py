@@ -220,30 +220,9 @@ class DeepSpeedEngine(Engine):
         weights = ckpt.load_model_weights(path)
         model.load_state_dict({k: v.to(self.run.device) for k, v in weights.items()})
         state = deepspeed_model_states(path)
-        # What Lightning saved beside the weights (loops, callbacks, hyperparameters); DeepSpeed's own
-        # entries (module, optimizer, its counters) are not Lightning's.
-        ds_keys = {
-            "module",
-            "optimizer",
-            "lr_scheduler",
-            "buffer_names",
-            "param_shapes",
-            "frozen_param_shapes",
-            "shared_params",
-            "frozen_param_fragments",
-            "ds_config",
-            "ds_version",
-            "csr_tensor_module_names",
-            "skipped_steps",
-            "global_steps",
-            "global_samples",
-            "dp_world_size",
-            "mp_world_size",
-            "data_sampler",
-            "random_ltd",
-            "sparse_tensor_module_names",
-        }
-        return {k: v for k, v in state.items() if k not in ds_keys}
+        # Lightning's entries (loops, callbacks, hyperparameters) sit beside DeepSpeed's in this file;
+        # Lightning reads only its own, so only DeepSpeed's bulky ones (weights, optimizer) are dropped.
+        return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
         return {}  # DeepSpeed writes model and optimizer state itself, per rank
@@ -255,10 +234,9 @@ class DeepSpeedEngine(Engine):
 
     def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
         held = StateBytes()
-        where = held.held
         module = getattr(model, "module", model)
         for p in module.parameters():
-            _add(where["parameters"], getattr(p, "ds_tensor", p))
+            held.add("parameters", getattr(p, "ds_tensor", p))
         ds_optimizer = getattr(model, "optimizer", None)
         if ds_optimizer is None:  # not trained yet (evaluation): nothing else is held
             return held
@@ -266,12 +244,12 @@ class DeepSpeedEngine(Engine):
             ds_optimizer, "fp32_partitioned_groups_flat", []
         )
         for tensor in masters:
-            _add(where["optimizer"], tensor)
+            held.add("optimizer", tensor)
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
         for state in inner.state.values():
             for value in state.values():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    _add(where["optimizer"], value)
+                    held.add("optimizer", value)
         if self.config.nvme_path is not None:
             swapped = sum(
                 f.stat().st_size
@@ -279,16 +257,12 @@ class DeepSpeedEngine(Engine):
                 if f.is_file()
             )
             key = "optimizer" if self.config.offload_optimizer == "nvme" else "parameters"
-            where[key]["nvme"] = swapped
+            held.held[key]["nvme"] = swapped
         return held
 
     def teardown(self) -> None:
         if self.config.nvme_path is not None:
             offload.clear_swap(self.config.nvme_path, self.run.global_rank)
-
-
-def _add(bucket: dict[str, int], tensor: torch.Tensor) -> None:
-    bucket["host" if tensor.device.type == "cpu" else "accelerator"] += tensor.numel() * tensor.element_size()
 
 
 def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path]:

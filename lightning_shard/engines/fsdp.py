@@ -50,7 +50,6 @@ class FSDPEngine(Engine):
 
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
-        self.sharded_blocks: list[nn.Module] = []
         # Background checkpoint writes run on a process group of their own, made here on every rank.
         self.async_checkpointer = (
             ckpt.AsyncCheckpointer(run.is_global_zero, ckpt.new_checkpoint_group())
@@ -136,7 +135,6 @@ class FSDPEngine(Engine):
         # The root's parameters are needed again as soon as backward starts: resharding them after
         # forward only buys a second all-gather (FSDP2's own default for the root).
         fully_shard(module, **{**kwargs, "reshard_after_forward": False})
-        self.sharded_blocks = blocks
         return module
 
     def _offload_policy(self) -> Any:
