@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_shard._processes import CollectiveTimeoutError
 from lightning_shard.checkpoint import CheckpointLoadError
 from lightning_shard.config import ShardConfig
 from lightning_shard.precision import ShardPrecision
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ActivationCheckpointing",
     "CheckpointLoadError",
+    "CollectiveTimeoutError",
     "MFUMonitor",
     "ShardConfig",
     "ShardPrecision",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,23 +41,6 @@ def default_backend_fallback(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_dist_connection_fallback(
-    cluster_environment: Any, backend: str, timeout: timedelta | None = None, device_id: Any = None
-) -> None:
-    if distributed_is_initialized_fallback():
-        return
-    os.environ["MASTER_ADDR"] = cluster_environment.main_address
-    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
-    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-    dist.init_process_group(
-        backend,
-        rank=cluster_environment.global_rank(),
-        world_size=cluster_environment.world_size(),
-        device_id=device_id,
-        **kwargs,
-    )
-
-
 def sync_ddp_fallback(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
     if not distributed_is_initialized_fallback():
         return tensor
@@ -80,12 +62,10 @@ try:
     from lightning.fabric.utilities.distributed import (
         _get_default_process_group_backend_for_device as default_backend,
     )
-    from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp
 except ImportError:  # pragma: no cover  (exercised through the fallbacks' own tests)
     distributed_is_initialized = distributed_is_initialized_fallback
     default_backend = default_backend_fallback
-    init_dist_connection = init_dist_connection_fallback  # type: ignore[assignment]
     sync_ddp = sync_ddp_fallback  # type: ignore[assignment]
 
 
@@ -138,6 +118,88 @@ except ImportError as error:  # pragma: no cover
     SubprocessScriptLauncher = _unavailable(  # type: ignore[misc,assignment]
         "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher", error
     )
+
+
+# --- process groups torch keeps, and FSDP2's cached ones ------------------------------------------
+
+
+def live_process_groups_fallback() -> list[Any]:
+    return [dist.group.WORLD] if dist.is_available() and dist.is_initialized() else []
+
+
+def live_process_groups() -> list[Any]:
+    """Every process group alive in this process: the default one, meshes', engines' (DeepSpeed's)."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        return list(_world.pg_map)
+    except (ImportError, AttributeError):  # pragma: no cover  (a release without the registry)
+        return live_process_groups_fallback()
+
+
+def refresh_fsdp_groups(module: torch.nn.Module) -> None:
+    """Point the modules ``fully_shard`` wrapped at their meshes' current process groups.
+
+    FSDP2 caches each mesh's process group objects when it shards a module; the mesh itself looks
+    its groups up by name. After the groups were destroyed and made again under the same names (one
+    Trainer call's teardown, the next call's set-up), the cached objects are refreshed from the mesh.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        try:
+            groups = sub._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        except AttributeError as error:  # pragma: no cover
+            _unavailable("FSDPModule._get_fsdp_state()._fsdp_param_groups", error)()
+        for group in groups:
+            infos = [group.mesh_info, group.post_forward_mesh_info]
+            for param in group.fsdp_params:
+                infos += [param.mesh_info, param.post_forward_mesh_info]
+            for info in infos:
+                if info is None:
+                    continue
+                for attr, dim in (
+                    ("shard_process_group", "shard_mesh_dim"),
+                    ("replicate_process_group", "replicate_mesh_dim"),
+                ):
+                    if getattr(info, attr, None) is not None:
+                        setattr(info, attr, info.mesh.get_group(getattr(info, dim)))
+                if hasattr(info, "reduce_scatter_process_group"):
+                    info.reduce_scatter_process_group = None
+
+
+# --- Lightning's SIGTERM handler ----------------------------------------------------------------------
+
+
+def replace_sigterm_notifier(trainer: Any, handler: Callable[[int, Any], None]) -> bool:
+    """Swap Lightning's SIGTERM notifier for ``handler``, keeping every other handler it composed.
+
+    Returns ``False`` (and changes nothing) when this Lightning release composes its handlers some
+    other way.
+    """
+    import signal
+
+    try:
+        from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+    except ImportError:  # pragma: no cover
+        return False
+    composed = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(composed, "signal_handlers", None)
+    if not isinstance(handlers, list):
+        return False
+    notifier = _SignalConnector._sigterm_notifier_fn
+    for index, current in enumerate(handlers):
+        if getattr(current, "__func__", None) is notifier:
+            handlers[index] = handler
+            return True
+    return False
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """Set ``trainer.received_sigterm``, which Lightning's loops read to stop and raise ``SIGTERMException``."""
+    trainer._signal_connector.received_sigterm = True
 
 
 # --- torch.distributed.checkpoint's key flattening ----------------------------------------------------

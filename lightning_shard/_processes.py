@@ -1,15 +1,30 @@
-"""The process side of ShardStrategy: ranks, the process group, the device mesh, collectives.
+"""The process side of ShardStrategy: ranks, process groups, the device mesh, collectives, exits.
 
 Kept apart from the strategy's model side (engine, optimizers, checkpoints) so each stays one job.
 Nothing here knows about sharding.
+
+What the strategy owns, and releases at every ``teardown()`` (the end of each Trainer call): the
+default process group when it created it (a user's own ``init_process_group`` is left alone), every
+group made after it (the device mesh's, the async checkpoint group, DeepSpeed's), after a final
+barrier. The next Trainer call makes them again. ``timeout`` applies to all of them, and a
+collective that exceeds it raises :class:`CollectiveTimeoutError`. Child ranks started by
+Lightning's launcher are waited for when rank 0 exits, and stopped if they do not follow.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -17,6 +32,89 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_shard import _compat
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: How long rank 0, exiting, waits for the ranks it launched before it stops them.
+CHILD_EXIT_GRACE_S = 10.0
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+
+
+_STORES: dict[tuple[str, int], Any] = {}
+_generation = 0
+
+
+def init_process_group(
+    cluster_environment: Any, backend: str, timeout: timedelta | None, device_id: torch.device | None
+) -> None:
+    """``init_process_group`` on a store kept for the life of the process, under a fresh key prefix.
+
+    A process may make and destroy the default group several times (each Trainer call's set-up and
+    teardown). Re-creating the env:// store each time on the same port races with the previous one
+    and reads its stale keys; one store, with one prefix per generation, never does.
+    """
+    global _generation
+    rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()
+    address, port = cluster_environment.main_address, int(cluster_environment.main_port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    if (address, port) not in _STORES:
+        from torch.distributed.constants import default_pg_timeout
+
+        store, _, _ = next(
+            dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout or default_pg_timeout)
+        )
+        _STORES[address, port] = store
+    _generation += 1
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    if device_id is not None:
+        kwargs["device_id"] = device_id
+    log.info("Initializing distributed: GLOBAL_RANK: %d, MEMBER: %d/%d", rank, rank + 1, world_size)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"lightning_shard/{_generation}", _STORES[address, port]),
+        rank=rank,
+        world_size=world_size,
+        **kwargs,
+    )
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than ``ShardStrategy(timeout=...)``, or lost a rank that died."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its peer (gloo, nccl, torch's watchdog)."""
+    dist_error = getattr(dist, "DistError", ())
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (
+        (bool(dist_error) and isinstance(error, dist_error)) or any(m in text for m in _TIMEOUT_MARKERS)
+    )
+
+
+def guarded(method: F) -> F:
+    """Turn a collective's timeout inside ``method`` into a :class:`CollectiveTimeoutError`."""
+
+    @functools.wraps(method)
+    def wrapper(self: ProcessGroupStrategy, *args: Any, **kwargs: Any) -> Any:
+        if self._timed_out and _compat.distributed_is_initialized():
+            if method.__name__ == "barrier":
+                return None  # nothing left to synchronise with: the first error is on its way up
+            raise CollectiveTimeoutError(
+                f"ShardStrategy.{method.__name__} was not run: an earlier collective on rank {self.global_rank}"
+                f" failed (ShardStrategy(timeout={self._timeout})); see the first error."
+            )
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveTimeoutError:
+            raise
+        except RuntimeError as error:
+            if not is_collective_failure(error):
+                raise
+            raise self._timeout_error(method.__name__, error) from error
+
+    return wrapper  # type: ignore[return-value]
 
 
 class ProcessGroupStrategy(ParallelStrategy):
@@ -29,6 +127,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: Any = None
         self.num_nodes = 1
+        self._owns_world = False
+        self._groups_before: set[Any] = set()
+        self._timed_out = False  # a collective failed: the groups can no longer be trusted
+        self._exit_hook_registered = False
+        self._released = False
 
     @property
     def device_mesh(self) -> Any:
@@ -64,9 +167,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _compat.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            self._launcher = ShardLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -76,16 +177,105 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._process_group_backend = self._requested_backend or _compat.default_backend(self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _compat.init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=self._timeout,
-            device_id=device_id,
-        )
+        self._connect(device_id)
+        if not self._exit_hook_registered:
+            # A safety net for exits that skip teardown (an exception raised inside an exception hook).
+            atexit.register(self._release_at_exit)
+            self._exit_hook_registered = True
+
+    def _connect(self, device_id: torch.device | None) -> None:
+        self._owns_world = not _compat.distributed_is_initialized()
+        self._groups_before = set(_compat.live_process_groups())
+        self._timed_out = self._released = False
+        if self._owns_world:
+            assert self._process_group_backend is not None
+            init_process_group(
+                self.cluster_environment, self._process_group_backend, self._timeout, device_id
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
+        )
+        self.apply_timeout()
+
+    def reconnect(self) -> None:
+        """Make the process groups again between Trainer calls, on every rank together.
+
+        Teardown released them; ``trainer.save_checkpoint`` after ``fit`` (and reading full weights
+        from a sharded model) need them. They are released again at the next teardown or at exit.
+        """
+        if not self._released:
+            return
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        self._connect(device_id)
+        self._reconnected()
+
+    def _reconnected(self) -> None:
+        """Point what still holds the released groups at the new ones (the strategy's model side)."""
+
+    # --- groups this strategy made: timeouts and release -----------------------------------------
+
+    def _own_groups(self) -> list[Any]:
+        """The process groups made since set-up began (all of them when this strategy made the default one)."""
+        groups = _compat.live_process_groups()
+        if self._owns_world:
+            return groups
+        return [group for group in groups if group not in self._groups_before]
+
+    def apply_timeout(self) -> None:
+        """Give every group this strategy (or its engine) made the ``timeout`` flag's limit.
+
+        Groups made after the default one (DeepSpeed's, the async checkpoint group) would otherwise get
+        torch's default of 30 minutes, so a hung rank would hold the others that long.
+        """
+        if self._timeout is None:
+            return
+        for group in self._own_groups():
+            setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
+            if setter is not None:
+                setter(self._timeout)
+
+    def release_processes(self, destroy_world: Callable[[], None] | None = None) -> None:
+        """A final barrier, then destroy every process group this strategy made (teardown)."""
+        if not _compat.distributed_is_initialized():
+            self._device_mesh = None
+            return
+        if not self._timed_out:
+            try:
+                self.barrier("teardown")
+            except CollectiveTimeoutError as error:
+                log.error(
+                    "ShardStrategy: the final barrier failed, destroying process groups anyway: %s", error
+                )
+        if self._owns_world:
+            (destroy_world or dist.destroy_process_group)()
+        else:
+            for group in self._own_groups():
+                dist.destroy_process_group(group)
+        self._device_mesh = None
+        self._released = True
+
+    def _release_at_exit(self) -> None:
+        try:
+            if _compat.distributed_is_initialized() and self._device_mesh is not None:
+                self._timed_out = True  # no barrier: the other ranks may be gone
+                self.release_processes()
+            _STORES.clear()  # the rendezvous store's server thread, stopped before interpreter finalization
+        except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
+            log.error("ShardStrategy: releasing process groups at exit failed: %r", error)
+
+    def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
+        self._timed_out = True
+        text = str(error)
+        peer = re.search(r"[Rr]ank \d+|peer \[[^\]]*\]:?\d*", text)
+        reported = f" torch names {peer.group(0)}." if peer else ""
+        return CollectiveTimeoutError(
+            f"Rank {self.global_rank} gave up on a collective in ShardStrategy.{where}: another rank did not join"
+            f" within ShardStrategy(timeout={self._timeout}) or has died.{reported} A rank stuck in its"
+            " training_step, a dataloader or I/O holds every other rank; its own log says where it stopped."
+            " If steps legitimately take longer, raise ShardStrategy(timeout=...)."
+            f" torch's error: {text.strip()[:500]}"
         )
 
     def set_world_ranks(self) -> None:
@@ -95,6 +285,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
+    @guarded
     def barrier(self, name: str | None = None) -> None:
         if not _compat.distributed_is_initialized():
             return
@@ -104,6 +295,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             torch.distributed.barrier()
 
     @override
+    @guarded
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _compat.distributed_is_initialized():
             return obj
@@ -112,7 +304,36 @@ class ProcessGroupStrategy(ParallelStrategy):
         return box[0]
 
     @override
+    @guarded
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return _compat.sync_ddp(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+class ShardLauncher(_compat.SubprocessScriptLauncher):  # type: ignore[misc,valid-type]
+    """Lightning's script launcher, plus: rank 0, exiting, waits for the ranks it started, then stops
+    any still running (a rank hung in its training step would otherwise outlive the job)."""
+
+    def _call_children_scripts(self) -> None:
+        super()._call_children_scripts()
+        atexit.register(self._reap_children, list(self.procs))
+
+    @staticmethod
+    def _reap_children(procs: list[subprocess.Popen], grace_s: float = CHILD_EXIT_GRACE_S) -> None:
+        for rank, proc in enumerate(procs, start=1):
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "ShardStrategy: rank %d (pid %d) is still running %.0f s after rank 0 finished; stopping it.",
+                    rank,
+                    proc.pid,
+                    grace_s,
+                )
+                proc.kill()
+                proc.wait()
+            if proc.returncode:
+                log.error(
+                    "ShardStrategy: rank %d (pid %d) exited with code %d.", rank, proc.pid, proc.returncode
+                )

@@ -7,6 +7,7 @@ starts, and delegates sharding, state dicts and gradient sync to one engine
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,13 +18,14 @@ import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard._modules import ModuleClassSpec
-from lightning_shard._processes import ProcessGroupStrategy
+from lightning_shard._preemption import Preemption
+from lightning_shard._processes import ProcessGroupStrategy, guarded
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.config import CheckpointMode, EngineFlag, ShardConfig
 from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
@@ -31,6 +33,8 @@ from lightning_shard.nonfinite import NonFiniteGuard
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
+
+log = logging.getLogger(__name__)
 
 
 class ShardStrategy(ProcessGroupStrategy):
@@ -48,7 +52,9 @@ class ShardStrategy(ProcessGroupStrategy):
             ``None`` detects the model's repeated block class.
         checkpoint: ``"sharded"`` (each rank writes its shard, a directory) or ``"full"`` (one file).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default gloo on CPU and nccl on CUDA.
-        timeout: process-group timeout.
+        timeout: the longest any collective may wait, on every process group the strategy and its engine
+            use (the device mesh's, the async checkpoint group, DeepSpeed's); past it the job ends with a
+            :class:`~lightning_shard.CollectiveTimeoutError` naming this flag.
         offload_optimizer: ``"cpu"`` or ``"nvme"``: keep optimizer state (and its step) off the accelerator.
         offload_params: ``"cpu"`` or ``"nvme"`` (stage 3): keep parameter shards off the accelerator.
         nvme_path: directory on an NVMe drive for ``"nvme"`` offload; swap files live in a subdirectory
@@ -109,6 +115,7 @@ class ShardStrategy(ProcessGroupStrategy):
         self._engine: Engine | None = None
         self._engine_live = False
         self._checkpointed_module: L.LightningModule | None = None
+        self._preemption = Preemption()
 
     # --- the validated flags ---------------------------------------------------------------------
 
@@ -213,6 +220,12 @@ class ShardStrategy(ProcessGroupStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.apply_timeout()  # groups the engine made (DeepSpeed's) get the timeout flag's limit too
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._preemption.install(self._lm.trainer)
 
     @property
     @override
@@ -221,6 +234,7 @@ class ShardStrategy(ProcessGroupStrategy):
         return self._engine_class.owns_step
 
     @override
+    @guarded
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if not self.engine.owns_step:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -267,26 +281,32 @@ class ShardStrategy(ProcessGroupStrategy):
         return getattr(module, method)(*args, **kwargs)
 
     @override
+    @guarded
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._preemption.agree(self.root_device)
         with self.precision_plugin.train_step_context():
             return self._redirect("training_step", *args, **kwargs)
 
     @override
+    @guarded
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
     @override
+    @guarded
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._redirect("test_step", *args, **kwargs)
 
     @override
+    @guarded
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
 
     @override
+    @guarded
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.engine.owns_step:
             result = closure()
@@ -328,14 +348,29 @@ class ShardStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
+        """End of a Trainer call: the engine commits pending checkpoints and removes its files, then
+        every process group the strategy made is destroyed after a final barrier (the next call makes
+        them again)."""
+        try:
+            if self._engine is not None and self._engine_live:
+                # Kept for inspection after the run; the next Trainer call builds a fresh one.
+                self._engine_live = False
+                self._engine.teardown()
+        finally:
+            self.release_processes(destroy_world=self._engine_class.destroy_world)
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+
+    def _release_at_exit(self) -> None:
         if self._engine is not None and self._engine_live:
-            self._engine.teardown()
-            # Kept for inspection after the run; the next Trainer call builds a fresh one.
             self._engine_live = False
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+            try:
+                self._engine.teardown()
+            except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
+                log.error("ShardStrategy: engine teardown at exit failed: %r", error)
+        super()._release_at_exit()
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -343,13 +378,19 @@ class ShardStrategy(ProcessGroupStrategy):
     def _full(self) -> bool:
         return self.config.checkpoint == "full"
 
+    def _reconnected(self) -> None:
+        if self._engine is not None and self.model is not None:
+            self._engine.reconnect(self.model, self.optimizers)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.reconnect()  # trainer.save_checkpoint after fit: the groups were released at teardown
         assert self.model is not None
         return self.engine.model_state_dict(self.model, full=self._full)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self.reconnect()
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
@@ -371,6 +412,24 @@ class ShardStrategy(ProcessGroupStrategy):
             raise TypeError(
                 "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
             )
+        if self._timed_out:
+            # The ranks no longer agree on anything: writing would hang until the timeout again.
+            log.error(
+                "ShardStrategy: checkpoint %s NOT written: a collective failed before it (see the error);"
+                " resume from the last committed checkpoint.",
+                filepath,
+            )
+            return
+        self.reconnect()
+        self._save_checkpoint(checkpoint, filepath)
+        trainer = self._lm.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+            # An exception checkpoint (OnExceptionCheckpoint, SIGTERM): committed before the job goes on
+            # to exit, not left to a background thread.
+            self.engine.wait_for_checkpoints()
+
+    @guarded
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
         self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path)
@@ -380,6 +439,7 @@ class ShardStrategy(ProcessGroupStrategy):
         self.engine.remove_checkpoint(Path(filepath))
 
     @override
+    @guarded
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None

@@ -52,8 +52,11 @@ def _world() -> tuple[int, int] | None:
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Between Trainer calls the strategy has destroyed its process group, and Lightning's environment
+    # has removed WORLD_SIZE; the launcher's LOCAL_WORLD_SIZE stays (one node).
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+    if world is not None:
+        return int(os.environ["RANK"]), int(world)
     return None
 
 
@@ -77,6 +80,9 @@ def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The unsharded model weights (on every rank), whatever the strategy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    reconnect = getattr(trainer.strategy, "reconnect", None)
+    if callable(reconnect):
+        reconnect()  # after a Trainer call: the strategy released its process groups at teardown
     model = trainer.strategy.model
     if dist.is_initialized():
         sd = get_model_state_dict(

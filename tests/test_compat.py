@@ -95,10 +95,9 @@ def test_a_missing_private_api_names_itself_and_the_tested_versions():
 
 
 def _collectives() -> dict[str, list[float]]:
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
-    _compat.init_dist_connection_fallback(TorchElasticEnvironment(), "gloo")
+    torch.distributed.init_process_group("gloo")
     assert torch.distributed.get_world_size() == 2
     value = torch.tensor([1.0 + torch.distributed.get_rank(), -2.0])
     out = {}
@@ -116,3 +115,39 @@ def test_process_group_and_reduction_fallbacks_match():
         for op, (fallback, real) in rank_result.items():
             assert fallback == real, op
         assert rank_result["sum"][0] == [3.0, -4.0]
+
+
+def test_lightnings_sigterm_notifier_is_replaced_alone_and_restored_at_teardown():
+    import signal
+
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    original = signal.getsignal(signal.SIGTERM)
+    trainer._signal_connector.register_signal_handlers()
+    try:
+        calls: list[int] = []
+        assert _compat.replace_sigterm_notifier(trainer, lambda signum, frame: calls.append(signum))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # type: ignore[operator]
+        assert calls == [signal.SIGTERM]
+        assert not trainer.received_sigterm  # Lightning's own notifier did not run
+        _compat.mark_sigterm_received(trainer)
+        assert trainer.received_sigterm
+        assert not _compat.replace_sigterm_notifier(trainer, lambda signum, frame: None)  # already gone
+    finally:
+        trainer._signal_connector.teardown()
+    assert signal.getsignal(signal.SIGTERM) == original
+
+
+def _live_groups() -> list[int]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.new_group(backend="gloo")
+    counts = [len(_compat.live_process_groups()), len(_compat.live_process_groups_fallback())]
+    dist.destroy_process_group()
+    return counts + [len(_compat.live_process_groups())]
+
+
+def test_live_process_groups_lists_every_group_the_fallback_the_default_one():
+    assert run_ranks(_live_groups) == [[2, 1, 0], [2, 1, 0]]

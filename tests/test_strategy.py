@@ -140,3 +140,25 @@ def test_selective_checkpointing_with_deepspeed_zero3_is_refused():
         ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="selective")
     ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="full")
     ShardStrategy(stage=2, engine="deepspeed", activation_checkpointing="selective")
+
+
+def test_collective_failures_are_recognised_and_reported_with_the_timeout_flag():
+    from datetime import timedelta
+
+    from lightning_shard import CollectiveTimeoutError
+    from lightning_shard._processes import is_collective_failure
+
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"
+    )
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:12198")
+    assert is_collective_failure(gloo) and is_collective_failure(peer)
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_collective_failure(ValueError("timeout"))
+
+    strategy = ShardStrategy(stage=3, timeout=timedelta(seconds=20))
+    error = strategy._timeout_error("training_step", peer)
+    assert isinstance(error, CollectiveTimeoutError)
+    assert "ShardStrategy(timeout=0:00:20)" in str(error) and "training_step" in str(error)
+    assert "peer [127.0.0.1]:12198" in str(error)
+    assert strategy._timed_out

@@ -153,8 +153,9 @@ class AsyncCheckpointer:
                 dist.destroy_process_group(group)
 
 
-def new_checkpoint_group() -> Any:
-    """A gloo group for background checkpoint collectives (gloo: they run on host memory)."""
+def new_checkpoint_group(timeout: Any = None) -> Any:
+    """A gloo group for background checkpoint collectives (gloo: they run on host memory), waiting at
+    most ``timeout`` (the strategy's flag) like every other group."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout)

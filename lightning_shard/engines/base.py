@@ -14,7 +14,9 @@ Lifecycle, per Trainer call (``fit``, ``validate``, ``test``, ``predict``; any o
     no_sync(model)                   (accumulation: no gradient communication on this micro-batch)
     save_checkpoint / load_checkpoint / remove_checkpoint
     state_bytes(model, optimizers)   -> bytes held, by kind and by place (one shape for every engine)
-    teardown()                       (every thread, process group and file the engine made)
+    wait_for_checkpoints()           (an exception checkpoint: committed before the job exits)
+    teardown()                       (pending checkpoints committed, threads joined, files removed)
+    destroy_world()                  (the strategy destroys the process groups through it, last)
 """
 
 from __future__ import annotations
@@ -176,5 +178,22 @@ class Engine(ABC):
     def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
         """Bytes of parameters, gradients and optimizer state this rank holds, by place."""
 
+    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:  # noqa: B027
+        """The strategy made its process groups again after a teardown (a save between Trainer calls):
+        point the model and optimizers at them."""
+
+    def wait_for_checkpoints(self) -> None:  # noqa: B027
+        """Block until every checkpoint this engine started writing is committed (raise its error)."""
+
     def teardown(self) -> None:  # noqa: B027
-        """Release what the engine made: threads, process groups, swap and temporary files."""
+        """Commit pending checkpoints, join the engine's threads, remove its swap and temporary files.
+
+        Process groups are destroyed afterwards by the strategy, through :meth:`destroy_world`.
+        """
+
+    @classmethod
+    def destroy_world(cls) -> None:
+        """Destroy the default process group and every group made after it (the strategy's teardown)."""
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

@@ -58,6 +58,11 @@ class DeepSpeedEngine(Engine):
     def setup_module(self, module: nn.Module) -> nn.Module:
         # DeepSpeed wraps the module together with its optimizer (setup_optimizers); evaluation outside
         # fit runs the module as it is, on the device, under the precision plugin's autocast.
+        if any(hasattr(p, "ds_process_group") for p in module.parameters()):
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
+            _rebind_partitioned(module)
         return module.to(self.run.device)
 
     def setup_optimizers(
@@ -143,6 +148,7 @@ class DeepSpeedEngine(Engine):
             offload.check_nvme_path(self.config.nvme_path, self._swap_bytes(module, self.run.world_size))
             offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
+        _rebind_partitioned(module)
         optimizer = self._offload_optimizer(optimizers[0])
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine, ds_optimizer, optimizer
@@ -195,6 +201,7 @@ class DeepSpeedEngine(Engine):
     def save_checkpoint(
         self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
     ) -> None:
+        self._check_connected()
         """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename)."""
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
         checkpoint.pop("optimizer_states", None)
@@ -263,6 +270,46 @@ class DeepSpeedEngine(Engine):
     def teardown(self) -> None:
         if self.config.nvme_path is not None:
             offload.clear_swap(self.config.nvme_path, self.run.global_rank)
+
+    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        # DeepSpeed's engine and optimizer keep the groups of the call that built them.
+        self._released = True
+
+    def _check_connected(self) -> None:
+        if getattr(self, "_released", False):
+            raise RuntimeError(
+                "ShardStrategy(engine='deepspeed') released DeepSpeed's process groups at the end of the last"
+                " Trainer call, and DeepSpeed's engine cannot be re-pointed at new ones: save from inside the"
+                " run (ModelCheckpoint(save_last=True), or trainer.save_checkpoint in a callback's on_train_end),"
+                " or use engine='fsdp'."
+            )
+
+    @classmethod
+    def destroy_world(cls) -> None:
+        # Through deepspeed.comm when DeepSpeed started: it also drops its cached groups, so the next
+        # Trainer call's deepspeed.initialize makes them again on the new default group.
+        import deepspeed.comm as ds_comm
+
+        if ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            super().destroy_world()
+
+
+def _rebind_partitioned(module: nn.Module) -> None:
+    """Point parameters ZeRO-3 partitioned in an earlier ``fit`` at this call's process group.
+
+    DeepSpeed records the group on each partitioned parameter and skips parameters it already
+    partitioned; the strategy destroyed that group at the earlier call's teardown.
+    """
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_process_group")]
+    if not partitioned:
+        return
+    from deepspeed.utils import groups
+
+    group = groups._get_sequence_data_parallel_group()
+    for param in partitioned:
+        param.ds_process_group = group
 
 
 def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path]:

@@ -52,7 +52,7 @@ class FSDPEngine(Engine):
         super().__init__(config, precision, run)
         # Background checkpoint writes run on a process group of their own, made here on every rank.
         self.async_checkpointer = (
-            ckpt.AsyncCheckpointer(run.is_global_zero, ckpt.new_checkpoint_group())
+            ckpt.AsyncCheckpointer(run.is_global_zero, ckpt.new_checkpoint_group(config.timeout))
             if config.async_checkpoint
             else None
         )
@@ -105,7 +105,9 @@ class FSDPEngine(Engine):
             # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
             # fully_shard may be applied once per module, and the shards already hold the weights. An
             # evaluation forward at stage 2 leaves parameters gathered: reshard, so that optimizers
-            # built next hold the sharded parameters.
+            # built next hold the sharded parameters. The process groups FSDP cached were destroyed at
+            # the last call's teardown: point it at the ones made for this call.
+            _compat.refresh_fsdp_groups(module)
             for sub in module.modules():
                 if isinstance(sub, FSDPModule):
                     sub.reshard()
@@ -207,7 +209,7 @@ class FSDPEngine(Engine):
         state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[ckpt.optimizer_key(i)] = opt_state
-        if self.async_checkpointer is not None:
+        if self.async_checkpointer is not None and not self.async_checkpointer.closed:
             self.async_checkpointer.save(state, checkpoint, path, self.run.barrier)
         else:
             ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
@@ -236,6 +238,19 @@ class FSDPEngine(Engine):
         ):
             held.held[kind][place] += nbytes
         return held
+
+    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        if self.stage >= 2:
+            _compat.refresh_fsdp_groups(model)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        for optimizer in optimizers:  # stage 1: gathering its state for a checkpoint runs on its group
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                optimizer.process_group = self.mesh.get_group()
+
+    def wait_for_checkpoints(self) -> None:
+        if self.async_checkpointer is not None:
+            self.async_checkpointer.wait()
 
     def teardown(self) -> None:
         if self.async_checkpointer is not None:

@@ -1,0 +1,123 @@
+"""One training job launched the way users launch one: ``python exit_job.py ...`` with devices=2.
+
+Lightning's own launcher starts rank 1; the process exits through normal interpreter shutdown, so
+its exit code is what a scheduler would see. Used by the exit tests and benchmarks/stress_exit.py.
+
+    --hang-rank R     rank R sleeps inside training_step at step --hang-step (a hung rank)
+    --step-sleep S    seconds each training step sleeps (time to send a signal mid-training)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos import GPTModule, TextDataModule
+
+
+class JobModule(GPTModule):
+    def __init__(self, hang_rank: int, hang_step: int, step_sleep: float) -> None:
+        super().__init__(vocab_size=256, d_model=32, n_layers=2, n_heads=2, seq_len=32, lr=1e-3)
+        self.hang_rank, self.hang_step, self.step_sleep = hang_rank, hang_step, step_sleep
+
+    def training_step(self, batch, batch_idx):  # type: ignore[override]
+        if self.global_rank == self.hang_rank and self.global_step == self.hang_step:
+            print(f"rank {self.global_rank} hangs at step {self.global_step}", flush=True)
+            time.sleep(3600)
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        print(f"rank {self.global_rank} starts training at step {self.global_step}", flush=True)
+
+    def on_exception(self, exception: BaseException) -> None:
+        print(
+            f"rank {self.global_rank} stopped by {type(exception).__name__} at step {self.global_step}",
+            flush=True,
+        )
+
+    def test_step(self, batch, batch_idx):  # type: ignore[override]
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+        self.log("test_loss", loss, sync_dist=True)
+
+
+class ReportException(L.Callback):
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        name = type(exception).__name__
+        print(f"rank {trainer.global_rank} stopped by {name} at step {trainer.global_step}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", default="fsdp")
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--async-checkpoint", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--every", type=int, default=2, help="checkpoint every N steps (0: none)")
+    parser.add_argument("--timeout", type=float, default=None, help="ShardStrategy(timeout=...) in seconds")
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--hang-step", type=int, default=2)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument(
+        "--then-test", action="store_true", help="fit again (2 more steps), then test: same Trainer"
+    )
+    parser.add_argument("--root", required=True)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    timeout = timedelta(seconds=args.timeout) if args.timeout else None
+    strategy_kwargs = {"timeout": timeout} if timeout else {}
+    strategy = ShardStrategy(
+        stage=args.stage, engine=args.engine, async_checkpoint=args.async_checkpoint, **strategy_kwargs
+    )
+    callbacks: list = [ReportException()]
+    if args.every:
+        ckpt_dir = os.path.join(args.root, "checkpoints")
+        callbacks += [
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every, save_top_k=-1, save_last=True),
+            OnExceptionCheckpoint(dirpath=ckpt_dir, filename="on_exception"),
+        ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        default_root_dir=args.root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = JobModule(args.hang_rank, args.hang_step, args.step_sleep)
+    data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
+    trainer.fit(model, data, ckpt_path=args.resume)
+    import torch.distributed as dist
+
+    print(f"rank {trainer.global_rank} finished fit at step {trainer.global_step}", flush=True)
+    print(f"rank {trainer.global_rank} process group alive after fit: {dist.is_initialized()}", flush=True)
+    if args.then_test:
+        trainer.fit_loop.epoch_loop.max_steps = args.max_steps + 2
+        trainer.fit(model, data)
+        print(f"rank {trainer.global_rank} finished second fit at step {trainer.global_step}", flush=True)
+        subset = torch.utils.data.Subset(data.dataset, range(16))
+        trainer.test(model, dataloaders=torch.utils.data.DataLoader(subset, batch_size=4), verbose=False)
+        print(f"rank {trainer.global_rank} finished test", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

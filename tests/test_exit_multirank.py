@@ -1,0 +1,117 @@
+"""Jobs end cleanly: launched as users launch them (``python script.py``, Lightning starts rank 1),
+judged by exit code, wall time and what is left on disk and in the process table."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ENGINES
+
+JOB = Path(__file__).parent / "jobs" / "exit_job.py"
+
+
+def _start(root: Path, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(JOB), "--root", str(root), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _alive(root: Path) -> list[str]:
+    """Job processes (either rank) still running for this root."""
+    found = subprocess.run(["pgrep", "-af", f"--root {root}"], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def _engine_args(engine: str) -> list[str]:
+    return ["--engine", engine, "--stage", "3"] + (["--async-checkpoint"] if engine == "fsdp" else [])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_released(tmp_path, engine):
+    rc, out = _finish(_start(tmp_path, *_engine_args(engine), "--then-test"), timeout=300)
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} finished fit at step 6" in out
+        assert f"rank {rank} process group alive after fit: False" in out
+        assert f"rank {rank} finished second fit at step 8" in out
+        assert f"rank {rank} finished test" in out
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert not _alive(tmp_path)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_mid_training_commits_an_exception_checkpoint_that_resumes_at_its_step(tmp_path, engine):
+    ckpts = tmp_path / "checkpoints"
+    proc = _start(tmp_path, *_engine_args(engine), "--max-steps", "100000")
+    _wait_for(ckpts / "epoch=0-step=4.ckpt", proc, seconds=240)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the launching process, as SLURM / Kubernetes do
+    rc, out = _finish(proc, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, out[-3000:]
+    assert rc == 0, out[-3000:]  # Lightning ends a SIGTERM-stopped fit with SystemExit(None)
+    stopped = {int(s) for s in re.findall(r"stopped by SIGTERMException at step (\d+)", out)}
+    assert len(stopped) == 1, out[-3000:]  # every rank stopped at the same step
+    (step,) = stopped
+    assert (ckpts / "on_exception.ckpt").is_dir()
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert not _alive(tmp_path)
+
+    rc, out = _finish(
+        _start(
+            tmp_path,
+            *_engine_args(engine),
+            "--max-steps",
+            str(step + 2),
+            "--every",
+            "0",
+            "--resume",
+            str(ckpts / "on_exception.ckpt"),
+        ),
+        timeout=300,
+    )
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} starts training at step {step}" in out
+        assert f"rank {rank} finished fit at step {step + 2}" in out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_hung_rank_ends_the_job_within_the_timeout_with_an_error_naming_it(tmp_path, engine):
+    timeout = 10
+    start = time.monotonic()
+    proc = _start(
+        tmp_path, *_engine_args(engine), "--timeout", str(timeout), "--hang-rank", "1", "--max-steps", "50"
+    )
+    rc, out = _finish(proc, timeout=240)
+    elapsed = time.monotonic() - start
+    assert rc != 0
+    assert "rank 1 hangs at step 2" in out
+    assert "CollectiveTimeoutError" in out, out[-3000:]
+    assert f"ShardStrategy(timeout=0:00:{timeout})" in out
+    # Start-up (~10 s: imports, two ranks, DeepSpeed's set-up), at most two timeouts, then rank 0 waits
+    # CHILD_EXIT_GRACE_S for the hung rank before stopping it.
+    assert elapsed < 20 + 2 * timeout + 10 + 10, (elapsed, out[-3000:])
+    assert "rank 1 (pid" in out and "stopping it" in out
+    assert not _alive(tmp_path)
