@@ -132,6 +132,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._timed_out = False  # a collective failed: the groups can no longer be trusted
         self._exit_hook_registered = False
         self._released = False
+        self._made_world = False
 
     @property
     def device_mesh(self) -> Any:
@@ -250,6 +251,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 )
         if self._owns_world:
             (destroy_world or dist.destroy_process_group)()
+            self._made_world = False
         else:
             for group in self._own_groups():
                 dist.destroy_process_group(group)

@@ -7,7 +7,9 @@ A hang instead of an error fails within the strategies' short process-group time
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,9 @@ def _damage(root: Path, sharded: Path, full: Path) -> dict[str, Path]:
     """Damaged copies of the saved checkpoints (made on rank 0); the same paths on every rank."""
     paths = {name: root / f"{name}.ckpt" for name in SHARDED_DAMAGE}
     paths |= {"full_cut": root / "full_cut.ckpt", "plain": root / "plain.pt", "ds_layout": root / "ds.ckpt"}
-    if dist.get_rank() == 0:
+    # Between Trainer calls: the strategy has released its process group, so ranks meet on a file.
+    done = root / "damaged"
+    if int(os.environ["RANK"]) == 0:
         for name in SHARDED_DAMAGE:
             shutil.copytree(sharded, paths[name])
         _truncate(paths["metadata"] / ".metadata")
@@ -91,7 +95,9 @@ def _damage(root: Path, sharded: Path, full: Path) -> dict[str, Path]:
         torch.save(tiny_gpt().state_dict(), paths["plain"])
         (paths["ds_layout"] / "checkpoint").mkdir(parents=True)
         (paths["ds_layout"] / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    dist.barrier()
+        done.touch()
+    while not done.exists():
+        time.sleep(0.05)
     return paths
 
 
