@@ -185,14 +185,17 @@ class ProcessGroupStrategy(ParallelStrategy):
             self._exit_hook_registered = True
 
     def _connect(self, device_id: torch.device | None) -> None:
-        self._owns_world = not _compat.distributed_is_initialized()
+        initialized = _compat.distributed_is_initialized()
+        # Still ours when made by reconnect() between calls and not yet released.
+        self._owns_world = not initialized or self._made_world
         self._groups_before = set(_compat.live_process_groups())
         self._timed_out = self._released = False
-        if self._owns_world:
+        if not initialized:
             assert self._process_group_backend is not None
             init_process_group(
                 self.cluster_environment, self._process_group_backend, self._timeout, device_id
             )
+            self._made_world = True
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(

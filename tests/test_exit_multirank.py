@@ -115,3 +115,48 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_an_error_naming_it(tmp
     assert elapsed < 20 + 2 * timeout + 10 + 10, (elapsed, out[-3000:])
     assert "rank 1 (pid" in out and "stopping it" in out
     assert not _alive(tmp_path)
+
+
+def _save_after_fit(root: str, engine: str, stage: int) -> dict:
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_shard import ShardStrategy
+    from tests.helpers import full_weights, loader, tiny_gpt, trainer_kwargs
+
+    trainer = L.Trainer(
+        devices=2, strategy=ShardStrategy(stage=stage, engine=engine), **trainer_kwargs(max_steps=2)
+    )
+    model = tiny_gpt()
+    trainer.fit(model, loader(4))
+    out: dict = {"alive_after_fit": dist.is_initialized()}
+    path = Path(root) / "after_fit.ckpt"
+    try:
+        trainer.save_checkpoint(path)  # between calls: the strategy makes its groups again
+        out["error"] = None
+    except RuntimeError as err:
+        out["error"] = str(err)
+    out["saved"] = path.exists()
+    out["weights"] = full_weights(trainer)
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    trainer.fit(model, loader(4))  # and the next call uses, then releases, them
+    out["steps"] = trainer.global_step
+    out["alive_at_end"] = dist.is_initialized()
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_save_checkpoint_after_fit_makes_the_groups_again_and_the_next_call_releases_them(tmp_path, engine):
+    from lightning_shard.demos.ranks import run_ranks
+
+    for stage in (1, 3):
+        results = run_ranks(_save_after_fit, str(tmp_path / f"s{stage}"), engine, stage)
+        for out in results:
+            assert out["alive_after_fit"] is False and out["alive_at_end"] is False
+            assert out["steps"] == 3
+            if engine == "fsdp":
+                assert out["error"] is None and out["saved"]
+            else:  # DeepSpeed's engine keeps the groups it was built with: a clear error instead
+                assert "engine='fsdp'" in out["error"] and "on_train_end" in out["error"]
+        for name, value in results[0]["weights"].items():
+            assert value.shape == results[1]["weights"][name].shape
