@@ -44,6 +44,8 @@ class ShardConfig:
     max_skipped: int = 10
     process_group_backend: str | None = None
     timeout: timedelta | None = None
+    init_weights: str | None = None
+    """Full weights to start from (a torch.save / safetensors file or a Hugging Face directory)."""
 
     @classmethod
     def from_flags(
@@ -63,6 +65,7 @@ class ShardConfig:
         max_skipped: Any = 10,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        init_weights: Any = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -94,6 +97,7 @@ class ShardConfig:
             activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
         _check_checkpointing(stage, engine_name, checkpointing)
+        _check_init_weights(init_weights)
         return cls(
             stage=stage,
             engine=engine_name,  # type: ignore[arg-type]
@@ -110,6 +114,7 @@ class ShardConfig:
             max_skipped=max_skipped,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            init_weights=None if init_weights is None else str(init_weights),
         )
 
     def replace(self, **changes: Any) -> ShardConfig:
@@ -139,6 +144,19 @@ def _check_checkpointing(stage: Any, engine: str, checkpointing: Any) -> None:
             "ShardStrategy(stage=3, engine='deepspeed', activation_checkpointing='selective') cannot run:"
             " DeepSpeed ZeRO-3 gathers parameters inside each block, which selective recompute cannot replay."
             " Use activation_checkpointing='full', or engine='fsdp' for selective checkpointing at stage 3."
+        )
+
+
+def _check_init_weights(path: Any) -> None:
+    if path is None:
+        return
+    import os
+
+    if not os.path.exists(path):
+        raise ValueError(
+            f"ShardStrategy(init_weights={str(path)!r}) does not exist. Pass a torch.save state-dict file (e.g. the"
+            " output of `lightning-shard consolidate`), a .safetensors file, or a Hugging Face model directory"
+            " (model.safetensors, or model.safetensors.index.json and its shards)."
         )
 
 

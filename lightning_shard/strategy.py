@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard._preemption import Preemption
 from lightning_shard._processes import ProcessGroupStrategy, guarded
@@ -68,6 +69,13 @@ class ShardStrategy(ProcessGroupStrategy):
         skip_nonfinite: skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf
             on any rank.
         max_skipped: with ``skip_nonfinite``, consecutive skipped steps allowed before training stops.
+        init_weights: start from full weights: a ``torch.save`` state-dict file (``lightning-shard
+            consolidate`` writes one), a ``.safetensors`` file, or a Hugging Face model directory. Loaded
+            once per module, after it is sharded: each rank reads only the slices of its own shards.
+
+    Models larger than one device: build them under ``trainer.init_module(empty_init=True)`` or in
+    ``configure_model``; their parameters stay on the meta device until set-up shards them and
+    allocates each rank's part (see docs/large_models.md and :mod:`lightning_shard._meta`).
     """
 
     strategy_name = "shard"
@@ -89,6 +97,7 @@ class ShardStrategy(ProcessGroupStrategy):
         async_checkpoint: bool = False,
         skip_nonfinite: bool = False,
         max_skipped: int = 10,
+        init_weights: str | Path | None = None,
         **kwargs: Any,
     ) -> None:
         self.config = ShardConfig.from_flags(
@@ -107,6 +116,7 @@ class ShardStrategy(ProcessGroupStrategy):
             max_skipped=max_skipped,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            init_weights=init_weights,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
@@ -116,6 +126,7 @@ class ShardStrategy(ProcessGroupStrategy):
         self._engine_live = False
         self._checkpointed_module: L.LightningModule | None = None
         self._preemption = Preemption()
+        self._weights_loaded_into: L.LightningModule | None = None
 
     # --- the validated flags ---------------------------------------------------------------------
 
@@ -180,6 +191,24 @@ class ShardStrategy(ProcessGroupStrategy):
             )
         return self._engine
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # Parameters on the meta device until set-up shards them (buffers are built as usual).
+        with parameters_on_meta(), self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # configure_model: built straight into shards (meta device; DeepSpeed ZeRO-3: zero.Init).
+        with self._engine_class.construction_context(self.config, self.precision_plugin):
+            yield
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -216,6 +245,10 @@ class ShardStrategy(ProcessGroupStrategy):
             self._engine = self._engine_class(self.config, self.precision_plugin, run)
             self._engine_live = True
         self.model = self._engine.setup_module(self.model)
+        if self.config.init_weights is not None and self._weights_loaded_into is not self._lm:
+            # Once per module: later Trainer calls (and checkpoint resumes) keep the trained weights.
+            self._engine.load_full_weights(self._lm, self.config.init_weights)
+            self._weights_loaded_into = self._lm
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

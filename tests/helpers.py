@@ -120,3 +120,19 @@ def make_engine(name: str, stage: int, precision: Any = None, **flags: Any) -> A
     precision = cls.precision_class.from_plugin(precision or ShardPrecision())
     run = RunContext(torch.device("cpu"), None, 0, 1, "gloo", lambda: None)
     return cls(ShardConfig(stage=stage, engine=name, **flags), precision, run)
+
+
+def tiny_llama_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
+    """A Hugging Face Llama small enough for CPU tests (tied input / output embedding)."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaConfig(**(kwargs | overrides))

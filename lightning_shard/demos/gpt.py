@@ -118,15 +118,23 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied input / output embedding
+        self.n_layers = n_layers
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation; also run on allocated shards after meta-device construction."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
         for name, p in self.named_parameters():
             # GPT-2: residual projections scaled down with depth so the residual stream's variance stays put.
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layers))
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -156,6 +164,11 @@ class GPTModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout)
+
+    def init_weights(self) -> None:
+        """ShardStrategy runs this after allocating a model built on the meta device
+        (``trainer.init_module(empty_init=True)``)."""
+        self.model.init_weights()
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

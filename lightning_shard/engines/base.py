@@ -100,6 +100,14 @@ class Engine(ABC):
         """Refuse a precision this engine cannot serve (called when the Trainer assigns it)."""
         return None
 
+    @classmethod
+    def construction_context(cls, config: ShardConfig, precision: ShardPrecision) -> Any:
+        """Where ``configure_model`` builds modules: parameters on the meta device, sharded and allocated
+        at set-up (``lightning_shard._meta``)."""
+        from lightning_shard._meta import parameters_on_meta
+
+        return parameters_on_meta()
+
     def __init__(self, config: ShardConfig, precision: ShardPrecision, run: RunContext) -> None:
         self.config = config
         self.precision = precision
@@ -177,6 +185,37 @@ class Engine(ABC):
     @abstractmethod
     def state_bytes(self, model: nn.Module, optimizers: list[Optimizer]) -> StateBytes:
         """Bytes of parameters, gradients and optimizer state this rank holds, by place."""
+
+    def load_full_weights(self, module: nn.Module, path: str) -> None:
+        """Fill ``module`` (set up, its parameters allocated) from the full weights at ``path``, each rank
+        reading only its own part."""
+        from lightning_shard.checkpoint.init_weights import load_full_weights
+
+        self._on_every_rank(lambda: load_full_weights(module, path))
+
+    def _on_every_rank(self, load: Callable[[], Any]) -> Any:
+        """Run ``load``; if it fails on any rank, every rank raises (none is left waiting in a collective)."""
+        import torch.distributed as dist
+
+        from lightning_shard.checkpoint.init_weights import InitWeightsError
+
+        error: Exception | None = None
+        result = None
+        try:
+            result = load()
+        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+            error = err
+        messages = [None if error is None else f"{type(error).__name__}: {error}"]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise InitWeightsError(f"Loading ShardStrategy(init_weights=...) failed on rank {rank}: {text}")
+        return result
 
     def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:  # noqa: B027
         """The strategy made its process groups again after a teardown (a save between Trainer calls):

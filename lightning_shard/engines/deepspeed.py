@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_shard import checkpoint as ckpt
 from lightning_shard import offload
+from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines._deepspeed_precision import COMM_DTYPES, DeepSpeedPrecision, check_precision
@@ -48,6 +49,21 @@ class DeepSpeedEngine(Engine):
     def check_precision(cls, stage: int | str, precision: Any) -> None:
         check_precision(stage, precision)
 
+    @classmethod
+    def construction_context(cls, config: Any, precision: Any) -> Any:
+        if config.resolved_stage != 3:
+            return super().construction_context(config, precision)
+        # ZeRO-3: DeepSpeed's partitioned construction, each parameter partitioned as it is created.
+        import deepspeed
+
+        deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+        ds_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        if precision.precision == "bf16-mixed":
+            ds_config["bf16"] = {"enabled": True}
+        elif precision.precision == "16-mixed":
+            ds_config["fp16"] = {"enabled": True}
+        return deepspeed.zero.Init(config_dict_or_path=ds_config)
+
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
         check_precision(self.stage, precision)
@@ -58,6 +74,23 @@ class DeepSpeedEngine(Engine):
     def setup_module(self, module: nn.Module) -> nn.Module:
         # DeepSpeed wraps the module together with its optimizer (setup_optimizers); evaluation outside
         # fit runs the module as it is, on the device, under the precision plugin's autocast.
+        if has_meta(module):
+            if self.stage == 3:
+                raise ValueError(
+                    f"{type(module).__name__} was built on the meta device, which ShardStrategy(engine='deepspeed',"
+                    " stage=3) cannot shard: DeepSpeed partitions parameters it can read. Use engine='fsdp' (the"
+                    " default), which shards the meta model and allocates only each rank's shard; or build the"
+                    " model normally (DeepSpeed stages 0-2 keep a full copy per rank anyway)."
+                )
+            # Stages 0-2 replicate parameters: each rank allocates and initialises the whole model.
+            materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
+        if init_hook(module) is not None and any(hasattr(p, "ds_tensor") for p in module.parameters()):
+            log.warning(
+                "ShardStrategy(engine='deepspeed', stage=3): %s.init_weights() is not run: configure_model built"
+                " the model under deepspeed.zero.Init, where each module is initialised by its own constructor"
+                " before it is partitioned. Use engine='fsdp' to have init_weights() run on the allocated shards.",
+                type(module).__name__,
+            )
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
             import deepspeed
 
@@ -271,6 +304,12 @@ class DeepSpeedEngine(Engine):
         if self.config.nvme_path is not None:
             offload.clear_swap(self.config.nvme_path, self.run.global_rank)
 
+    def load_full_weights(self, module: nn.Module, path: str) -> None:
+        if not any(hasattr(p, "ds_tensor") for p in module.parameters()):
+            super().load_full_weights(module, path)  # whole parameters: each rank reads what it holds
+            return
+        self._on_every_rank(lambda: _load_partitioned(module, path, self.run.is_global_zero))
+
     def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
         # DeepSpeed's engine and optimizer keep the groups of the call that built them.
         self._released = True
@@ -294,6 +333,38 @@ class DeepSpeedEngine(Engine):
             ds_comm.destroy_process_group()
         else:
             super().destroy_world()
+
+
+def _load_partitioned(module: nn.Module, path: str, is_rank0: bool) -> None:
+    """Full weights into parameters deepspeed.zero.Init partitioned: one parameter gathered at a time,
+    filled on rank 0 from the file, partitioned again (no rank holds more than one whole parameter)."""
+    import deepspeed
+
+    from lightning_shard.checkpoint.init_weights import match_keys, open_weights
+
+    state = module.state_dict(keep_vars=True)
+    targets = {
+        key: (getattr(t, "ds_shape", t.shape), t.dtype)
+        for key, t in state.items()
+        if isinstance(t, torch.Tensor)
+    }
+    by_object: dict[int, set[str]] = {}
+    for key, tensor in state.items():
+        by_object.setdefault(id(tensor), set()).add(key)
+    with open_weights(path) as source:
+        mapping = match_keys(source, targets, [keys for keys in by_object.values() if len(keys) > 1])
+        done: set[int] = set()
+        for key, tensor in state.items():
+            if id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            if not hasattr(tensor, "ds_tensor"):  # a buffer: whole on every rank
+                with torch.no_grad():
+                    tensor.copy_(source.read(mapping[key]))
+                continue
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0), torch.no_grad():
+                if is_rank0:
+                    tensor.copy_(source.read(mapping[key]))
 
 
 def _rebind_partitioned(module: nn.Module) -> None:

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 import lightning_shard.engines._zero as _zero
 from lightning_shard import _compat
 from lightning_shard import checkpoint as ckpt
+from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
@@ -79,11 +80,12 @@ class FSDPEngine(Engine):
             )
         module = self.precision.convert_module(module)
         if self.stage >= 2:
-            wrapped = self._fully_shard(module)
+            wrapped = self._fully_shard(module)  # a meta module is sharded first, then allocated
+            materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
         else:
+            materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
             module.to(self.run.device)
             wrapped = self._ddp(module)
-        _compat.materialize_module(module, self.run.device)
         return wrapped
 
     def setup_optimizers(

@@ -1,0 +1,118 @@
+"""Building models larger than one device: parameters on the meta device, materialised shard by shard.
+
+``parameters_on_meta()`` is what ``trainer.init_module(empty_init=True)`` and ``configure_model`` run
+under with ShardStrategy: every parameter a module registers is moved to the meta device as it is
+registered (no memory), its initialiser skipped, while buffers (rotary tables, masks, running stats)
+are created as usual on the device, so they hold real values. ``materialize()`` runs at set-up, after
+the engine has sharded the module: it allocates only this rank's shard of each meta parameter and
+initialises it with the modules' ``reset_parameters()`` and then the LightningModule's
+``init_weights()`` hook, if it defines one.
+
+Randomness: replicated parameters (stages 0-1) are initialised from the same seed on every rank, so
+the replicas agree. Sharded parameters are initialised from a seed offset by the rank: on CPU,
+DTensor's random ops draw each local shard from the rank's own generator, so with one seed every
+shard would be a copy of the others (duplicate rows). Same seed and world size, same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Hook a LightningModule may define to initialise its parameters after they are allocated.
+INIT_HOOK = "init_weights"
+_RANK_SEED_STRIDE = 1_000_003
+
+
+@contextmanager
+def parameters_on_meta() -> Generator[None, None, None]:
+    """Parameters registered inside go to the meta device (their initialisers skipped); buffers do not."""
+    from lightning.fabric.utilities.init import _EmptyInit
+
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        param = module._parameters.get(name)
+        if param is not None and not param.is_meta:
+            kwargs = {**param.__dict__, "requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+    try:
+        with _EmptyInit(enabled=True):
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _meta_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from ((n, t) for n, t in module.named_parameters(recurse=False) if t.is_meta)
+    yield from ((n, t) for n, t in module.named_buffers(recurse=False) if t.is_meta)
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def init_hook(module: nn.Module) -> Callable[[], None] | None:
+    hook = getattr(type(module), INIT_HOOK, None)
+    # Only the LightningModule's own hook: a wrapped Hugging Face model has an unrelated init_weights().
+    import lightning as L
+
+    if callable(hook) and isinstance(module, L.LightningModule):
+        return getattr(module, INIT_HOOK)
+    return None
+
+
+def check_initialisable(module: nn.Module, loaded_from: str | None = None) -> None:
+    """Raise before anything is allocated if a meta parameter or buffer has nothing to initialise it."""
+    if loaded_from is not None or init_hook(module) is not None:
+        return
+    missing = [
+        f"{name or type(module).__name__} ({type(sub).__name__}: {', '.join(n for n, _ in _meta_tensors(sub))})"
+        for name, sub in module.named_modules()
+        if any(True for _ in _meta_tensors(sub)) and not callable(getattr(sub, "reset_parameters", None))
+    ]
+    if missing:
+        raise ValueError(
+            f"{type(module).__name__} was built on the meta device, and nothing can initialise "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: these modules define no"
+            " reset_parameters(). Define init_weights(self) on the LightningModule to initialise them (it runs"
+            " after every reset_parameters(), on the allocated shards), or start from full weights with"
+            " ShardStrategy(init_weights=PATH)."
+        )
+
+
+def materialize(module: nn.Module, device: torch.device, rank: int, loaded_from: str | None = None) -> bool:
+    """Allocate this rank's part of every meta tensor of ``module`` on ``device`` and initialise it.
+
+    With ``loaded_from`` (``init_weights=PATH``) the tensors are only allocated: the file fills them.
+    Returns whether anything was on the meta device.
+    """
+    owners = [sub for sub in module.modules() if any(True for _ in _meta_tensors(sub))]
+    if not owners:
+        return False
+    check_initialisable(module, loaded_from)
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    if loaded_from is not None:
+        return True
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    seed = torch.initial_seed() + (_RANK_SEED_STRIDE * rank if sharded else 0)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed % 2**63)
+        for sub in owners:
+            reset: Any = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        hook = init_hook(module)
+        if hook is not None:
+            hook()
+    return True
