@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_shard._processes import CollectiveTimeoutError
 from lightning_shard.checkpoint import CheckpointLoadError
+from lightning_shard.checkpoint.init_weights import InitWeightsError
 from lightning_shard.config import ShardConfig
 from lightning_shard.precision import ShardPrecision
 from lightning_shard.strategy import ShardStrategy
@@ -17,6 +18,7 @@ __all__ = [
     "ActivationCheckpointing",
     "CheckpointLoadError",
     "CollectiveTimeoutError",
+    "InitWeightsError",
     "MFUMonitor",
     "ShardConfig",
     "ShardPrecision",

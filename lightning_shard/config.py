@@ -158,6 +158,9 @@ def _check_init_weights(path: Any) -> None:
             " output of `lightning-shard consolidate`), a .safetensors file, or a Hugging Face model directory"
             " (model.safetensors, or model.safetensors.index.json and its shards)."
         )
+    from lightning_shard.checkpoint.init_weights import open_weights
+
+    open_weights(path).close()  # an unreadable or unsupported file fails here, before any process starts
 
 
 def _check_scalars(

@@ -294,3 +294,13 @@ def test_two_ranks_read_only_their_shards(tmp_path):
     assert [r["local_rows"]["scale"] for r in results] == [1, 0]
     replicated = _nbytes([expected["step"]])
     assert sum(r["report"]["bytes_read"] for r in results) == _nbytes(expected.values()) + replicated
+
+
+def test_the_init_weights_flag_is_checked_at_construction(tmp_path):
+    from lightning_shard import ShardStrategy
+
+    with pytest.raises(ValueError, match=r"init_weights='.*absent.safetensors'.*does not exist"):
+        ShardStrategy(init_weights=str(tmp_path / "absent.safetensors"))
+    (tmp_path / "notes.txt").write_text("not weights")
+    with pytest.raises(ValueError, match="notes.txt"):
+        ShardStrategy(init_weights=str(tmp_path / "notes.txt"))

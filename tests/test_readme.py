@@ -122,3 +122,29 @@ def test_plan_commands_in_readme_run(capsys):
     for line in lines:
         assert main(shlex.split(line)[1:]) == 0
         assert "ShardStrategy(" in capsys.readouterr().out
+
+
+@pytest.mark.multirank
+def test_finetune_a_model_bigger_than_one_device_commands_run(tmp_path):
+    pytest.importorskip("transformers")
+    section = README.split("## Fine-tune a model bigger than one device", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line
+        for line in re.findall(r"```bash\n(.*?)```", section, re.S)[0].splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert [shlex.split(c)[:2] for c in commands] == [["python", "examples/finetune_hf.py"]] * 2
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    for command in commands:
+        argv = shlex.split(command)
+        if "--max-steps" in argv:
+            argv[argv.index("--max-steps") + 1] = "3"
+        run = subprocess.run(
+            [sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "fine-tuned outputs/tiny-llama for 3 steps" in run.stdout

@@ -51,7 +51,7 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def construction_context(cls, config: Any, precision: Any) -> Any:
-        if config.resolved_stage != 3:
+        if config.stage != 3:  # "auto" is resolved only at set-up, after configure_model
             return super().construction_context(config, precision)
         # ZeRO-3: DeepSpeed's partitioned construction, each parameter partitioned as it is created.
         import deepspeed
