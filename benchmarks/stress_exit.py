@@ -2,8 +2,8 @@
 
 Each job is ``python tests/jobs/exit_job.py`` (Lightning's launcher starts rank 1; both ranks leave
 through normal interpreter shutdown), training a small GPT for a few steps with checkpoints every
-2 steps. For every engine and stage, N jobs run one after the other, alternating async checkpoints
-off and on. A job fails when it exits non-zero or does not finish within ``--job-timeout``; the
+2 steps. For every engine and stage, N jobs run one after the other (FSDP engine: alternating async
+checkpoints off and on). A job fails when it exits non-zero or does not finish within ``--job-timeout``; the
 report lists each failure's exit code and the last lines it printed.
 
     python benchmarks/stress_exit.py                      # N=25 per engine and stage
@@ -69,7 +69,9 @@ def main() -> None:
     for engine in args.engines:
         for stage in args.stages:
             for i in range(args.runs):
-                result = run_job(engine, stage, async_checkpoint=bool(i % 2), job_timeout=args.job_timeout)
+                # DeepSpeed writes its own checkpoints (async_checkpoint is an FSDP-engine flag).
+                async_checkpoint = bool(i % 2) and engine == "fsdp"
+                result = run_job(engine, stage, async_checkpoint, job_timeout=args.job_timeout)
                 jobs.append(result)
                 status = "ok" if result["rc"] == 0 else f"FAILED rc={result['rc']}"
                 print(

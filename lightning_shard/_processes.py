@@ -36,8 +36,11 @@ from lightning_shard import _compat
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: How long rank 0, exiting, waits for the ranks it launched before it stops them.
+#: How long rank 0, exiting, waits for the ranks it launched before it stops them; after a collective
+#: failed (a rank is hung or dead) the healthy ones have already failed too, so it waits less.
 CHILD_EXIT_GRACE_S = 10.0
+CHILD_EXIT_GRACE_AFTER_FAILURE_S = 2.0
+_collective_failed = False
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
 
@@ -271,7 +274,8 @@ class ProcessGroupStrategy(ParallelStrategy):
             log.error("ShardStrategy: releasing process groups at exit failed: %r", error)
 
     def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
-        self._timed_out = True
+        global _collective_failed
+        self._timed_out = _collective_failed = True
         text = str(error)
         peer = re.search(r"[Rr]ank \d+|peer \[[^\]]*\]:?\d*", text)
         reported = f" torch names {peer.group(0)}." if peer else ""
@@ -325,7 +329,8 @@ class ShardLauncher(_compat.SubprocessScriptLauncher):  # type: ignore[misc,vali
         atexit.register(self._reap_children, list(self.procs))
 
     @staticmethod
-    def _reap_children(procs: list[subprocess.Popen], grace_s: float = CHILD_EXIT_GRACE_S) -> None:
+    def _reap_children(procs: list[subprocess.Popen]) -> None:
+        grace_s = CHILD_EXIT_GRACE_AFTER_FAILURE_S if _collective_failed else CHILD_EXIT_GRACE_S
         for rank, proc in enumerate(procs, start=1):
             try:
                 proc.wait(timeout=grace_s)

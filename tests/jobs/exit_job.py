@@ -30,7 +30,9 @@ class JobModule(GPTModule):
 
     def training_step(self, batch, batch_idx):  # type: ignore[override]
         if self.global_rank == self.hang_rank and self.global_step == self.hang_step:
-            print(f"rank {self.global_rank} hangs at step {self.global_step}", flush=True)
+            print(
+                f"rank {self.global_rank} hangs at step {self.global_step} at {time.time():.3f}", flush=True
+            )
             time.sleep(3600)
         if self.step_sleep:
             time.sleep(self.step_sleep)
