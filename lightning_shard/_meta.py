@@ -69,23 +69,52 @@ def init_hook(module: nn.Module) -> Callable[[], None] | None:
     return None
 
 
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name (FSDP2 renames a sharded module's class to ``FSDP<Name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls: type = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next((base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule)), cls)
+    return cls.__name__
+
+
 def check_initialisable(module: nn.Module, loaded_from: str | None = None) -> None:
     """Raise before anything is allocated if a meta parameter or buffer has nothing to initialise it."""
     if loaded_from is not None or init_hook(module) is not None:
         return
     missing = [
-        f"{name or type(module).__name__} ({type(sub).__name__}: {', '.join(n for n, _ in _meta_tensors(sub))})"
+        f"{name or _class_name(module)} ({_class_name(sub)}: {', '.join(n for n, _ in _meta_tensors(sub))})"
         for name, sub in module.named_modules()
         if any(True for _ in _meta_tensors(sub)) and not callable(getattr(sub, "reset_parameters", None))
     ]
     if missing:
         raise ValueError(
-            f"{type(module).__name__} was built on the meta device, and nothing can initialise "
+            f"{_class_name(module)} was built on the meta device, and nothing can initialise "
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: these modules define no"
             " reset_parameters(). Define init_weights(self) on the LightningModule to initialise them (it runs"
             " after every reset_parameters(), on the allocated shards), or start from full weights with"
             " ShardStrategy(init_weights=PATH)."
         )
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter registered under more than one (module, name): a tied embedding and head."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((sub, name))
+    return [places for places in owners.values() if len(places) > 1]
+
+
+def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    # Moving a parameter off the meta device makes a new Parameter per module that holds it: tie
+    # them again to the first one (what torch's own to_empty() leaves to the caller).
+    for (first_module, first_name), *others in ties:
+        shared = first_module._parameters[first_name]
+        for sub, name in others:
+            sub._parameters[name] = shared
 
 
 def materialize(module: nn.Module, device: torch.device, rank: int, loaded_from: str | None = None) -> bool:
@@ -98,7 +127,9 @@ def materialize(module: nn.Module, device: torch.device, rank: int, loaded_from:
     if not owners:
         return False
     check_initialisable(module, loaded_from)
+    ties = _tied_parameters(module)
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    _retie(ties)
     if loaded_from is not None:
         return True
     from torch.distributed.tensor import DTensor

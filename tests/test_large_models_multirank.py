@@ -56,7 +56,13 @@ def _fit(engine: str, stage: int, build: str, seed: int) -> dict[str, Any]:
         model = ConfigureModelGPT()
         on_meta = True
     trainer.fit(model, loader(4))
-    out: dict[str, Any] = {"on_meta_before_fit": on_meta, "losses": recorder.losses}
+    gpt = model.model
+    out: dict[str, Any] = {
+        "on_meta_before_fit": on_meta,
+        "losses": recorder.losses,
+        "tied": gpt.head.weight is gpt.tok_emb.weight,  # the tied embedding survives allocation
+        "parameters": len(list(model.parameters())),
+    }
     if engine == "fsdp":
         out["head"] = full_weights(trainer)["model.tok_emb.weight"]
     return out
@@ -87,6 +93,7 @@ def test_meta_construction_trains_at_every_stage_from_one_seed(engine):
             # GPT-2's init (init_weights), not garbage or N(0, 1) embeddings: the loss on random tokens is ln(vocab).
             assert all(abs(x - math.log(VOCAB)) < 0.05 for x in losses), (key, losses)
         assert ranks[1][key]["losses"] == losses  # both ranks report the same averaged loss
+        assert out["tied"] and out["parameters"] == len(list(tiny_gpt().parameters())), key
     if engine == "fsdp":
         first, again, other = (
             ranks[0][(3, "init_module", 0)],

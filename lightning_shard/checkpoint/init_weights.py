@@ -382,7 +382,10 @@ def load_full_weights(
     with open_weights(path) as source:
         prefix, mapping = _match(source, targets, _tied_names(module, targets))
         if log_prefix:
-            _log.info("init_weights=%r: matched %s", str(source.path), prefix.describe())
+            # A prefix is worth seeing by default (WARNING shows without logging set up): it says which
+            # part of the model the file was matched to.
+            level = logging.WARNING if prefix.on else logging.INFO
+            _log.log(level, "init_weights=%r: matched %s", str(source.path), prefix.describe())
         with torch.no_grad():
             first: dict[int, str] = {}  # a tied parameter is one object under several keys: load it once
             for key in targets:
