@@ -454,9 +454,14 @@ class ShardStrategy(ProcessGroupStrategy):
             )
             return
         self.reconnect()
-        self._save_checkpoint(checkpoint, filepath)
         trainer = self._lm.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED:
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        self.engine.exception_checkpoint = interrupted
+        try:
+            self._save_checkpoint(checkpoint, filepath)
+        finally:
+            self.engine.exception_checkpoint = False
+        if interrupted:
             # An exception checkpoint (OnExceptionCheckpoint, SIGTERM): committed before the job goes on
             # to exit, not left to a background thread.
             self.engine.wait_for_checkpoints()

@@ -182,3 +182,20 @@ def test_nan_on_one_rank_skips_the_step_on_both(stage):
         for after, before in zip(optim[3], optim[2], strict=True):
             torch.testing.assert_close(after, before, rtol=0, atol=0)
         assert any((weights[4][n] != weights[3][n]).any() for n in weights[3]), "training did not go on"
+
+
+def test_an_exception_checkpoint_of_the_same_step_is_written_not_linked(tmp_path):
+    from lightning_shard.checkpoint.async_save import AsyncCheckpointer
+
+    def nothing() -> None:
+        return None
+
+    checkpointer = AsyncCheckpointer(is_rank0=True)
+    state = {"model": {"w": torch.ones(3)}}
+    checkpointer.save(state, {"global_step": 7}, tmp_path / "epoch=0-step=7.ckpt", nothing)
+    checkpointer.save(state, {"global_step": 7}, tmp_path / "last.ckpt", nothing)  # same step: a link
+    checkpointer.save(state, {"global_step": 7}, tmp_path / "on_exception.ckpt", nothing, alias=False)
+    checkpointer.close()
+    assert (tmp_path / "last.ckpt").is_symlink()
+    exception = tmp_path / "on_exception.ckpt"
+    assert exception.is_dir() and not exception.is_symlink() and (exception / ".metadata").is_file()

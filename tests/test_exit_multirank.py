@@ -75,6 +75,7 @@ def test_sigterm_mid_training_commits_an_exception_checkpoint_that_resumes_at_it
     assert len(stopped) == 1, out[-3000:]  # every rank stopped at the same step
     (step,) = stopped
     assert (ckpts / "on_exception.ckpt").is_dir()
+    assert not (ckpts / "on_exception.ckpt").is_symlink()  # written, not linked to a prunable checkpoint
     assert not list(tmp_path.rglob("*.tmp"))
     assert not _alive(tmp_path)
 

@@ -58,10 +58,17 @@ class AsyncCheckpointer:
         self.last_committed: Path | None = None
         self.closed = False
 
-    def save(self, state: dict[str, Any], meta: dict[str, Any], path: Path, barrier: Any) -> None:
-        """Start writing ``state`` to ``path``; returns once the state is staged in host memory."""
+    def save(
+        self, state: dict[str, Any], meta: dict[str, Any], path: Path, barrier: Any, alias: bool = True
+    ) -> None:
+        """Start writing ``state`` to ``path``; returns once the state is staged in host memory.
+
+        ``alias=False`` always writes the bytes (an exception checkpoint: a link to a checkpoint that
+        top-k pruning may remove later would leave it pointing at nothing).
+        """
         step = meta.get("global_step")
-        if self._path is not None and step is not None and step == self._step and path != self._path:
+        same_step = self._path is not None and step is not None and step == self._step and path != self._path
+        if alias and same_step:
             # Same training step saved under a second name (ModelCheckpoint's last.ckpt): alias the
             # checkpoint being written instead of writing the same bytes twice.
             with self._lock:

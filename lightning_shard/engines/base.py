@@ -92,6 +92,9 @@ class Engine(ABC):
     #: ``True`` when the engine runs backward and the optimizer step itself (DeepSpeed); then it also
     #: counts accumulation micro-batches and clips from ``TrainSettings``.
     owns_step: bool = False
+    #: Set by the strategy while it saves an exception checkpoint (``OnExceptionCheckpoint``, SIGTERM):
+    #: written in full and committed before the save returns, never a link to another checkpoint.
+    exception_checkpoint: bool = False
     #: The precision plugin class this engine runs with (built from the Trainer's precision).
     precision_class: type[ShardPrecision] = ShardPrecision
 

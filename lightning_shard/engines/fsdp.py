@@ -212,7 +212,9 @@ class FSDPEngine(Engine):
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[ckpt.optimizer_key(i)] = opt_state
         if self.async_checkpointer is not None and not self.async_checkpointer.closed:
-            self.async_checkpointer.save(state, checkpoint, path, self.run.barrier)
+            self.async_checkpointer.save(
+                state, checkpoint, path, self.run.barrier, alias=not self.exception_checkpoint
+            )
         else:
             ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
 
