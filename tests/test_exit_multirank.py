@@ -52,6 +52,30 @@ def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_released(tm
     assert not _alive(tmp_path)
 
 
+def test_under_torchrun_groups_are_made_again_on_the_agents_store(tmp_path):
+    # torchrun's workers share the agent's store: each Trainer call's groups use a fresh key prefix.
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(JOB),
+        "--root",
+        str(tmp_path),
+    ]
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    run = subprocess.run(
+        [*cmd, *_engine_args("fsdp"), "--then-test"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} process group alive after fit: False" in run.stdout
+        assert f"rank {rank} finished test" in run.stdout
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
