@@ -80,20 +80,6 @@ def optimizers_to_device_fallback(optimizers: Iterable[torch.optim.Optimizer], d
                     state[key] = value.to(device)
 
 
-def materialize_fallback(module: torch.nn.Module, device: torch.device) -> None:
-    """Allocate parameters left on the meta device and run their modules' ``reset_parameters``."""
-    for sub in module.modules():
-        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
-            sub.to_empty(device=device, recurse=False)
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-
-
-try:
-    from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_module
-except ImportError:  # pragma: no cover
-    materialize_module = materialize_fallback
 try:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 except ImportError:  # pragma: no cover

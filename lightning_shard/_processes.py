@@ -180,14 +180,13 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._requested_backend or _compat.default_backend(self.root_device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        self._connect(device_id)
+        self._connect()
         if not self._exit_hook_registered:
             # A safety net for exits that skip teardown (an exception raised inside an exception hook).
             atexit.register(self._release_at_exit)
             self._exit_hook_registered = True
 
-    def _connect(self, device_id: torch.device | None) -> None:
+    def _connect(self) -> None:
         initialized = _compat.distributed_is_initialized()
         # Still ours when made by reconnect() between calls and not yet released.
         self._owns_world = not initialized or self._made_world
@@ -195,6 +194,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._timed_out = self._released = False
         if not initialized:
             assert self._process_group_backend is not None
+            device_id = self.root_device if self.root_device.type != "cpu" else None
             init_process_group(
                 self.cluster_environment, self._process_group_backend, self._timeout, device_id
             )
@@ -214,8 +214,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         """
         if not self._released:
             return
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        self._connect(device_id)
+        self._connect()
         self._reconnected()
 
     def _reconnected(self) -> None:
@@ -243,7 +242,11 @@ class ProcessGroupStrategy(ParallelStrategy):
             if setter is not None:
                 setter(self._timeout)
 
-    def release_processes(self, destroy_world: Callable[[], None] | None = None) -> None:
+    def _destroy_world(self) -> None:
+        """Destroy the default process group and every group made after it."""
+        dist.destroy_process_group()
+
+    def release_processes(self) -> None:
         """A final barrier, then destroy every process group this strategy made (teardown)."""
         if not _compat.distributed_is_initialized():
             self._device_mesh = None
@@ -256,7 +259,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                     "ShardStrategy: the final barrier failed, destroying process groups anyway: %s", error
                 )
         if self._owns_world:
-            (destroy_world or dist.destroy_process_group)()
+            self._destroy_world()
             self._made_world = False
         else:
             for group in self._own_groups():

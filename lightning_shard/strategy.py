@@ -390,11 +390,14 @@ class ShardStrategy(ProcessGroupStrategy):
                 self._engine_live = False
                 self._engine.teardown()
         finally:
-            self.release_processes(destroy_world=self._engine_class.destroy_world)
+            self.release_processes()
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+
+    def _destroy_world(self) -> None:
+        self._engine_class.destroy_world()  # DeepSpeed's drops its cached groups too
 
     def _release_at_exit(self) -> None:
         if self._engine is not None and self._engine_live:
@@ -456,21 +459,17 @@ class ShardStrategy(ProcessGroupStrategy):
         self.reconnect()
         trainer = self._lm.trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        self.engine.exception_checkpoint = interrupted
-        try:
-            self._save_checkpoint(checkpoint, filepath)
-        finally:
-            self.engine.exception_checkpoint = False
+        self._save_checkpoint(checkpoint, filepath, exception=interrupted)
         if interrupted:
             # An exception checkpoint (OnExceptionCheckpoint, SIGTERM): committed before the job goes on
             # to exit, not left to a background thread.
             self.engine.wait_for_checkpoints()
 
     @guarded
-    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
-        self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path)
+        self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -45,30 +45,6 @@ def test_optimizers_to_device_fallback_matches():
             assert a[key].device == b[key].device == torch.device("meta")
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 2))
-
-
-def test_materialize_fallback_matches():
-    from lightning.fabric.utilities.init import _materialize_distributed_module
-
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            return _Net()
-
-    real, fallback = build(), build()
-    torch.manual_seed(3)
-    _materialize_distributed_module(real, torch.device("cpu"))
-    torch.manual_seed(3)
-    _compat.materialize_fallback(fallback, torch.device("cpu"))
-    assert not any(p.is_meta for p in fallback.parameters())
-    for (name, a), (_, b) in zip(real.state_dict().items(), fallback.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-
-
 def test_flatten_state_dict_fallback_matches():
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

@@ -31,12 +31,12 @@ class CheckpointLoadError(ValueError):
     """A checkpoint cannot be resumed: damaged, incomplete, of another engine, or of another model."""
 
 
-def on_every_rank(path: Path, fn: Callable[[], T]) -> T:
+def on_every_rank(path: Path, fn: Callable[[], T], error_class: type[Exception] = CheckpointLoadError) -> T:
     """``fn()``, run on every rank; if it raises on any rank, every rank raises.
 
-    A failing rank raises its own :class:`CheckpointLoadError` or ``FileNotFoundError``, and wraps any
-    other exception in one that names the checkpoint; the others raise a :class:`CheckpointLoadError`
-    with the first failing rank's message. ``fn`` must not enter a collective that could leave a
+    A failing rank raises its own ``error_class`` (default :class:`CheckpointLoadError`) or
+    ``FileNotFoundError``, and wraps any other exception in one that names ``path``; the others raise an
+    ``error_class`` with the first failing rank's message. ``fn`` must not enter a collective that could leave a
     failed rank behind (DCP's own collectives are fine: DCP re-raises a rank's failure on all ranks).
     """
     error: BaseException | None = None
@@ -45,24 +45,24 @@ def on_every_rank(path: Path, fn: Callable[[], T]) -> T:
         result = fn()
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         error = err
-    message = None if error is None else describe(path, error)
+    message = None if error is None else describe(path, error, error_class)
     messages = [message]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         messages = [None] * dist.get_world_size()
         dist.all_gather_object(messages, message)
-    if isinstance(error, (CheckpointLoadError, FileNotFoundError)):
+    if isinstance(error, (error_class, FileNotFoundError)):
         raise error
     if error is not None:
-        raise CheckpointLoadError(message) from error
+        raise error_class(message) from error
     failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
     if failed:
         rank, text = failed[0]
-        raise CheckpointLoadError(f"{text} (rank {rank} failed; every rank stops)")
+        raise error_class(f"{text} (rank {rank} failed; every rank stops)")
     return result  # type: ignore[return-value]
 
 
-def describe(path: Path, error: BaseException) -> str:
-    if isinstance(error, (CheckpointLoadError, FileNotFoundError)):
+def describe(path: Path, error: BaseException, known: type[Exception] = CheckpointLoadError) -> str:
+    if isinstance(error, (known, FileNotFoundError)):
         return str(error)
     return (
         f"Loading checkpoint {str(path)!r} failed: {summary(error)}. Check that every rank can read the checkpoint,"

@@ -340,7 +340,7 @@ def local_index(tensor: torch.Tensor) -> Index | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def _tied_names(module: torch.nn.Module, keys: dict[str, Any]) -> list[set[str]]:
+def tied_names(module: torch.nn.Module, keys: dict[str, Any]) -> list[set[str]]:
     names: dict[int, set[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         if name in keys:
@@ -380,7 +380,7 @@ def load_full_weights(
     state = module.state_dict(keep_vars=True)  # the parameters themselves, so tied ones are one object
     targets = {key: (t.shape, t.dtype) for key, t in state.items() if isinstance(t, torch.Tensor)}
     with open_weights(path) as source:
-        prefix, mapping = _match(source, targets, _tied_names(module, targets))
+        prefix, mapping = _match(source, targets, tied_names(module, targets))
         if log_prefix:
             # A prefix is worth seeing by default (WARNING shows without logging set up): it says which
             # part of the model the file was matched to.

@@ -86,15 +86,20 @@ class StateBytes:
         return {**{k: dict(v) for k, v in self.held.items()}, "total": sum(self.total(k) for k in KINDS)}
 
 
+def on_every_rank_init(path: str, load: Callable[[], Any]) -> None:
+    """Run an ``init_weights`` load; if it fails on any rank, every rank raises ``InitWeightsError``."""
+    from lightning_shard.checkpoint._errors import on_every_rank
+    from lightning_shard.checkpoint.init_weights import InitWeightsError
+
+    on_every_rank(Path(path), load, InitWeightsError)
+
+
 class Engine(ABC):
     """One way of sharding: the strategy's only collaborator for wrapping, stepping and state."""
 
     #: ``True`` when the engine runs backward and the optimizer step itself (DeepSpeed); then it also
     #: counts accumulation micro-batches and clips from ``TrainSettings``.
     owns_step: bool = False
-    #: Set by the strategy while it saves an exception checkpoint (``OnExceptionCheckpoint``, SIGTERM):
-    #: written in full and committed before the save returns, never a link to another checkpoint.
-    exception_checkpoint: bool = False
     #: The precision plugin class this engine runs with (built from the Trainer's precision).
     precision_class: type[ShardPrecision] = ShardPrecision
 
@@ -162,10 +167,16 @@ class Engine(ABC):
 
     @abstractmethod
     def save_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        checkpoint: dict[str, Any],
+        path: Path,
+        exception: bool = False,
     ) -> None:
         """Write ``checkpoint`` (Lightning's dict, model and optimizer state filled in) under ``path``,
-        visible under that name only once complete on every rank."""
+        visible under that name only once complete on every rank. ``exception``: an exception checkpoint
+        (``OnExceptionCheckpoint``, SIGTERM), written in full, never a link to another checkpoint."""
 
     @abstractmethod
     def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
@@ -194,31 +205,7 @@ class Engine(ABC):
         reading only its own part."""
         from lightning_shard.checkpoint.init_weights import load_full_weights
 
-        self._on_every_rank(lambda: load_full_weights(module, path))
-
-    def _on_every_rank(self, load: Callable[[], Any]) -> Any:
-        """Run ``load``; if it fails on any rank, every rank raises (none is left waiting in a collective)."""
-        import torch.distributed as dist
-
-        from lightning_shard.checkpoint.init_weights import InitWeightsError
-
-        error: Exception | None = None
-        result = None
-        try:
-            result = load()
-        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
-            error = err
-        messages = [None if error is None else f"{type(error).__name__}: {error}"]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            messages = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
-        if failed:
-            rank, text = failed[0]
-            raise InitWeightsError(f"Loading ShardStrategy(init_weights=...) failed on rank {rank}: {text}")
-        return result
+        on_every_rank_init(path, lambda: load_full_weights(module, path))
 
     def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:  # noqa: B027
         """The strategy made its process groups again after a teardown (a save between Trainer calls):

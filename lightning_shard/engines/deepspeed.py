@@ -32,7 +32,7 @@ from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines._deepspeed_precision import COMM_DTYPES, DeepSpeedPrecision, check_precision
-from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
+from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
@@ -66,6 +66,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
+        self._released = False  # the strategy made new groups after this engine's call ended
         check_precision(self.stage, precision)
         self._backwards = 0  # backward calls since the last optimizer step
 
@@ -181,7 +182,6 @@ class DeepSpeedEngine(Engine):
             offload.check_nvme_path(self.config.nvme_path, self._swap_bytes(module, self.run.world_size))
             offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
-        _rebind_partitioned(module)
         optimizer = self._offload_optimizer(optimizers[0])
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine, ds_optimizer, optimizer
@@ -232,8 +232,14 @@ class DeepSpeedEngine(Engine):
     # --- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        checkpoint: dict[str, Any],
+        path: Path,
+        exception: bool = False,
     ) -> None:
+        # DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes nothing.
         self._check_connected()
         """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename)."""
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
@@ -308,14 +314,14 @@ class DeepSpeedEngine(Engine):
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):
             super().load_full_weights(module, path)  # whole parameters: each rank reads what it holds
             return
-        self._on_every_rank(lambda: _load_partitioned(module, path, self.run.is_global_zero))
+        on_every_rank_init(path, lambda: _load_partitioned(module, path, self.run.is_global_zero))
 
     def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
         # DeepSpeed's engine and optimizer keep the groups of the call that built them.
         self._released = True
 
     def _check_connected(self) -> None:
-        if getattr(self, "_released", False):
+        if self._released:
             raise RuntimeError(
                 "ShardStrategy(engine='deepspeed') released DeepSpeed's process groups at the end of the last"
                 " Trainer call, and DeepSpeed's engine cannot be re-pointed at new ones: save from inside the"
@@ -340,7 +346,7 @@ def _load_partitioned(module: nn.Module, path: str, is_rank0: bool) -> None:
     filled on rank 0 from the file, partitioned again (no rank holds more than one whole parameter)."""
     import deepspeed
 
-    from lightning_shard.checkpoint.init_weights import match_keys, open_weights
+    from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
 
     state = module.state_dict(keep_vars=True)
     targets = {
@@ -348,11 +354,8 @@ def _load_partitioned(module: nn.Module, path: str, is_rank0: bool) -> None:
         for key, t in state.items()
         if isinstance(t, torch.Tensor)
     }
-    by_object: dict[int, set[str]] = {}
-    for key, tensor in state.items():
-        by_object.setdefault(id(tensor), set()).add(key)
     with open_weights(path) as source:
-        mapping = match_keys(source, targets, [keys for keys in by_object.values() if len(keys) > 1])
+        mapping = match_keys(source, targets, tied_names(module, targets))
         done: set[int] = set()
         for key, tensor in state.items():
             if id(tensor) in done:

@@ -201,7 +201,12 @@ class FSDPEngine(Engine):
     # --- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any], path: Path
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        checkpoint: dict[str, Any],
+        path: Path,
+        exception: bool = False,
     ) -> None:
         if self.config.checkpoint == "full":
             if self.run.is_global_zero:
@@ -212,9 +217,7 @@ class FSDPEngine(Engine):
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[ckpt.optimizer_key(i)] = opt_state
         if self.async_checkpointer is not None and not self.async_checkpointer.closed:
-            self.async_checkpointer.save(
-                state, checkpoint, path, self.run.barrier, alias=not self.exception_checkpoint
-            )
+            self.async_checkpointer.save(state, checkpoint, path, self.run.barrier, alias=not exception)
         else:
             ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
 
