@@ -117,11 +117,18 @@ def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
             sub._parameters[name] = shared
 
 
-def materialize(module: nn.Module, device: torch.device, rank: int, loaded_from: str | None = None) -> bool:
+def materialize(
+    module: nn.Module,
+    device: torch.device,
+    rank: int,
+    loaded_from: str | None = None,
+    world_mesh: Any = None,
+) -> bool:
     """Allocate this rank's part of every meta tensor of ``module`` on ``device`` and initialise it.
 
     With ``loaded_from`` (``init_weights=PATH``) the tensors are only allocated: the file fills them.
-    Returns whether anything was on the meta device.
+    With a multi-dimensional ``world_mesh`` (HSDP, tensor parallelism), every copy of a parameter is
+    made equal to the one on the first rank holding it. Returns whether anything was on the meta device.
     """
     owners = [sub for sub in module.modules() if any(True for _ in _meta_tensors(sub))]
     if not owners:
@@ -146,4 +153,30 @@ def materialize(module: nn.Module, device: torch.device, rank: int, loaded_from:
         hook = init_hook(module)
         if hook is not None:
             hook()
+    if world_mesh is not None and world_mesh.ndim > 1:
+        sync_copies(module, world_mesh)
     return True
+
+
+def sync_copies(module: nn.Module, world_mesh: Any) -> None:
+    """Make every copy of each parameter equal to the first one, along each mesh dimension it is not split on.
+
+    Initialised with one seed per rank (so that shards differ), a parameter held whole by the ranks of a
+    tensor-parallel group (an embedding) or split the same way in every replica group (HSDP) would
+    otherwise differ between its copies.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for param in module.parameters():
+        split: set[str] = set()
+        local: torch.Tensor = param
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            split = {
+                name for name, place in zip(names, param.placements, strict=False) if not place.is_replicate()
+            }
+            local = param.to_local()
+        for dim in world_mesh.mesh_dim_names:
+            if dim not in split and world_mesh[dim].size() > 1:
+                dist.broadcast(local.data, group=world_mesh.get_group(dim), group_src=0)

@@ -32,6 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_shard import _compat
+from lightning_shard.parallel.mesh import MeshLayout
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -121,10 +122,19 @@ def guarded(method: F) -> F:
 
 
 class ProcessGroupStrategy(ParallelStrategy):
-    """Starts one process per device (or joins torchrun / SLURM ones), the process group and a 1-D mesh."""
+    """Starts one process per device (or joins torchrun / SLURM ones), the process group and the device mesh
+    (one data-parallel dimension, or ``(replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`)."""
 
-    def __init__(self, backend: str | None, timeout: timedelta | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        backend: str | None,
+        timeout: timedelta | None,
+        replicate_size: int = 1,
+        tensor_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
+        self._mesh_sizes = (replicate_size, tensor_parallel_size)
         self._requested_backend = backend
         self._process_group_backend: str | None = backend
         self._timeout = timeout
@@ -144,6 +154,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    def layout(self) -> MeshLayout:
+        """The world as ``replicate x shard x tp`` (checked against the world size when the Trainer is built)."""
+        return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
+
+    @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
@@ -160,7 +175,12 @@ class ProcessGroupStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # The ranks of one tensor-parallel group read the same batches.
+        layout = self.layout
+        return {
+            "num_replicas": layout.data_parallel_size,
+            "rank": layout.data_parallel_rank(self.global_rank),
+        }
 
     @property
     def is_distributed(self) -> bool:
@@ -169,6 +189,8 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # Runs while the Trainer is built: sizes that do not divide the world fail before any process starts.
+        self.layout  # noqa: B018
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ShardLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -199,11 +221,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 self.cluster_environment, self._process_group_backend, self._timeout, device_id
             )
             self._made_world = True
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
-        )
+        self._device_mesh = self.layout.build(self.root_device.type)
         self.apply_timeout()
 
     def reconnect(self) -> None:

@@ -4,7 +4,8 @@
 ``module.load_state_dict``) from a sharded checkpoint directory or a full checkpoint file.
 
 ``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
-stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md).
+stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md); beyond one node,
+with the ``tensor_parallel_size`` / ``replicate_size`` its TP x PP x DP layout implies.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _PLAN_EPILOG = """examples:
   lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB
   lightning-shard plan --model lightning_shard.demos.gpt.GPT --model.n_layers 12 --model.d_model 768 --devices 2 --gpu-mem 16GB
   lightning-shard plan --params 70e9 --gpus 256 --gpu-mem 80GB --seq-len 4096 --json
+  lightning-shard plan --params 7e9 --gpus 64 --gpu-mem 80GB --replicate-size 8
 Model constructor arguments are given jsonargparse-style, --model.NAME VALUE."""
 
 
@@ -65,6 +67,16 @@ def _add_plan(sub: Any) -> None:
     )
     run.add_argument(
         "--bandwidth", default="25GB/s", help="data-parallel bus bandwidth per device (default 25GB/s)"
+    )
+    run.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        help="plan for this ShardStrategy(tensor_parallel_size=...) (default: from the layout, else 1)",
+    )
+    run.add_argument(
+        "--replicate-size",
+        type=_positive_int,
+        help="plan for this ShardStrategy(replicate_size=...), HSDP (default: from the layout, else 1)",
     )
     flags = plan.add_argument_group("training")
     flags.add_argument(
@@ -158,10 +170,12 @@ def _model_argv(parser: argparse.ArgumentParser, extras: list[str], model: str |
 
 def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, Any]:
     """The planner's keyword arguments, with every size checked under the flag name the user typed."""
+    from lightning_shard.planner.mesh import check_sizes
     from lightning_shard.planner.model import build_on_meta
     from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count
 
     world, per_node = _world(args)
+    check_sizes(world, args.tensor_parallel_size or 1, args.replicate_size or 1, cli=True)
     memory, memory_note = _device_memory(args, per_node)
     if args.params is not None:
         parse_count(args.params, "--params")
@@ -196,6 +210,8 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "layout": args.layout or world > per_node,
         "gpus_per_node": per_node,
         "micro_batches": args.micro_batches,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "replicate_size": args.replicate_size,
         "_note": memory_note,
     }
 

@@ -46,6 +46,12 @@ class ShardConfig:
     timeout: timedelta | None = None
     init_weights: str | None = None
     """Full weights to start from (a torch.save / safetensors file or a Hugging Face directory)."""
+    replicate_size: int = 1
+    """Replica groups of the data-parallel ranks (HSDP at stages 2-3: shard within a group, replicate across)."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer of the plan (the innermost mesh dimension)."""
+    tensor_parallel_plan: dict[str, Any] | None = None
+    """Module-name pattern -> style; None: the plan the model carries."""
 
     @classmethod
     def from_flags(
@@ -66,6 +72,9 @@ class ShardConfig:
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         init_weights: Any = None,
+        replicate_size: Any = 1,
+        tensor_parallel_size: Any = 1,
+        tensor_parallel_plan: Any = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -98,6 +107,7 @@ class ShardConfig:
         )
         _check_checkpointing(stage, engine_name, checkpointing)
         _check_init_weights(init_weights)
+        plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         return cls(
             stage=stage,
             engine=engine_name,  # type: ignore[arg-type]
@@ -115,6 +125,9 @@ class ShardConfig:
             process_group_backend=process_group_backend,
             timeout=timeout,
             init_weights=None if init_weights is None else str(init_weights),
+            replicate_size=replicate_size,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=plan,
         )
 
     def replace(self, **changes: Any) -> ShardConfig:
@@ -123,6 +136,13 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.replace(stage={changes['stage']!r}) is not a ZeRO stage.")
         changed = dataclasses.replace(self, **changes)
         _check_checkpointing(changed.stage, changed.engine, changed.activation_checkpointing)
+        _check_layout(
+            changed.stage,
+            changed.engine,
+            changed.replicate_size,
+            changed.tensor_parallel_size,
+            changed.tensor_parallel_plan,
+        )
         return changed
 
     @property
@@ -145,6 +165,46 @@ def _check_checkpointing(stage: Any, engine: str, checkpointing: Any) -> None:
             " DeepSpeed ZeRO-3 gathers parameters inside each block, which selective recompute cannot replay."
             " Use activation_checkpointing='full', or engine='fsdp' for selective checkpointing at stage 3."
         )
+
+
+def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -> dict[str, Any] | None:
+    """``replicate_size`` / ``tensor_parallel_size`` / ``tensor_parallel_plan`` against each other and the
+    rest (whether they divide the world size is checked once the Trainer knows it)."""
+    for flag, value in (("replicate_size", replicate), ("tensor_parallel_size", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"ShardStrategy({flag}={value!r}) must be an integer >= 1 (1: off). The world of W ranks is laid"
+                " out as W = replicate_size x shard x tensor_parallel_size."
+            )
+    if engine == "deepspeed" and (tp > 1 or replicate > 1):
+        flag = f"tensor_parallel_size={tp}" if tp > 1 else f"replicate_size={replicate}"
+        raise ValueError(
+            f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen by engine= or by NVMe /"
+            " optimizer-only CPU offload). Use engine='fsdp': FSDP2 composes with torch tensor parallelism and"
+            " runs HSDP (offload_params='cpu' works there); DeepSpeed's own tensor parallelism (AutoTP) and"
+            " hierarchical partitioning are not wired to these flags."
+        )
+    if replicate > 1 and stage in (0, 1):
+        raise ValueError(
+            f"ShardStrategy(stage={stage}, replicate_size={replicate}): replica groups (HSDP) need stage 2 or 3;"
+            f" at stage {stage} every data-parallel rank already holds a full replica of the parameters. Use"
+            " stage=2 or stage=3, or drop replicate_size."
+        )
+    if tp > 1 and stage == 1:
+        raise ValueError(
+            f"ShardStrategy(stage=1, tensor_parallel_size={tp}) cannot run: ZeroRedundancyOptimizer does not"
+            " take tensor-parallel (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded,"
+            " the same all-reduce volume as stage 1) or stage=0."
+        )
+    from lightning_shard.parallel.plan import check_plan_flag
+
+    checked = check_plan_flag(plan)
+    if checked is not None and tp == 1:
+        raise ValueError(
+            "ShardStrategy(tensor_parallel_plan=...) is only used with tensor_parallel_size > 1 (got 1). Set"
+            " tensor_parallel_size, or drop the plan."
+        )
+    return checked
 
 
 def _check_init_weights(path: Any) -> None:

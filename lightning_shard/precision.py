@@ -70,6 +70,8 @@ class ShardPrecision(Precision):
         self._half = HalfPrecision("bf16-true") if precision == "bf16-true" else None
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
+        # Set by the strategy when parameters live on more than one mesh (tensor parallelism, HSDP).
+        self.clip_grad_norm: Callable[[list[Tensor], float], Tensor] | None = None
 
     @classmethod
     def from_plugin(cls, plugin: ShardPrecision) -> ShardPrecision:
@@ -167,6 +169,13 @@ class ShardPrecision(Precision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.clip_grad_norm is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.clip_grad_norm(list(self.main_params(optimizer)), float(clip_val))
+        return None
 
     @override
     def state_dict(self) -> dict[str, Any]:

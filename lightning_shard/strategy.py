@@ -32,6 +32,7 @@ from lightning_shard.config import CheckpointMode, EngineFlag, ShardConfig
 from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
 from lightning_shard.nonfinite import NonFiniteGuard
 from lightning_shard.offload import OffloadDevice
+from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor_parallel_mesh
 from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
@@ -72,6 +73,14 @@ class ShardStrategy(ProcessGroupStrategy):
         init_weights: start from full weights: a ``torch.save`` state-dict file (``lightning-shard
             consolidate`` writes one), a ``.safetensors`` file, or a Hugging Face model directory. Loaded
             once per module, after it is sharded: each rank reads only the slices of its own shards.
+        replicate_size: HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards
+            the model over its own ranks (one node's, say) and gradients are all-reduced across groups.
+        tensor_parallel_size: split the layers named by the plan over this many ranks (the innermost mesh
+            dimension: keep it within a node), before FSDP2 shards over the rest. The world is laid out as
+            ``replicate_size x shard x tensor_parallel_size`` (docs/parallelism.md).
+        tensor_parallel_plan: module-name pattern (``"blocks.*.attn.qkv"``) -> ``"colwise"``, ``"rowwise"``,
+            ``"sequence"`` or a torch ``ParallelStyle``; ``None`` uses the plan the model carries (a
+            ``tensor_parallel_plan`` attribute, or a Hugging Face ``config.base_model_tp_plan``).
 
     Models larger than one device: build them under ``trainer.init_module(empty_init=True)`` or in
     ``configure_model``; their parameters stay on the meta device until set-up shards them and
@@ -98,6 +107,9 @@ class ShardStrategy(ProcessGroupStrategy):
         skip_nonfinite: bool = False,
         max_skipped: int = 10,
         init_weights: str | Path | None = None,
+        replicate_size: int = 1,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.config = ShardConfig.from_flags(
@@ -117,10 +129,19 @@ class ShardStrategy(ProcessGroupStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             init_weights=init_weights,
+            replicate_size=replicate_size,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
-        super().__init__(self.config.process_group_backend, self.config.timeout, **kwargs)
+        super().__init__(
+            self.config.process_group_backend,
+            self.config.timeout,
+            self.config.replicate_size,
+            self.config.tensor_parallel_size,
+            **kwargs,
+        )
         self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
         self._engine: Engine | None = None
         self._engine_live = False
@@ -232,11 +253,16 @@ class ShardStrategy(ProcessGroupStrategy):
             # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
             self._checkpointed_module = self._lm
-        self.precision_plugin.setup_device(self.root_device, self.device_mesh.get_group())
+        self.precision_plugin.setup_device(self.root_device, None)  # the loss scaler agrees over every rank
+        if self.layout.multi_dimensional:
+            # Parameters on two meshes ((dp, tp) and dp): one norm over all of them, one all-reduce.
+            self.precision_plugin.clip_grad_norm = clip_grad_norm_
         if self._engine is None or not self._engine_live:
             run = RunContext(
                 device=self.root_device,
-                mesh=self.device_mesh,
+                mesh=data_parallel_mesh(self.device_mesh),
+                tp_mesh=tensor_parallel_mesh(self.device_mesh),
+                world_mesh=self.device_mesh,
                 global_rank=self.global_rank,
                 world_size=self.world_size,
                 backend=str(self.process_group_backend),

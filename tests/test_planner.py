@@ -265,6 +265,8 @@ PRINTED_PLANS = [
     ["--params", "7e9", "--gpu-mem", "80GB"],  # one device: needs offload
     ["--params", "13e9", "--gpu-mem", "40GB", "--micro-batch", "2"],  # needs both offloads and recompute
     ["--params", "70e9", "--gpus", "16", "--gpu-mem", "80GB", "--seq-len", "4096"],
+    ["--params", "70e9", "--gpus", "256", "--gpu-mem", "80GB", "--seq-len", "4096"],  # TP from the layout
+    ["--params", "7e9", "--gpus", "64", "--gpu-mem", "80GB"],  # HSDP across 8 nodes
     ["--params", "7e9", "--gpu-mem", "16GB"],  # nothing fits: the fewest bytes
     ["--model", "lightning_shard.demos.gpt.GPT", "--model.n_layers", "6", "--gpu-mem", "20MB"],
     ["--params", "1e9", "--devices", "2", "--gpu-mem", "80GB", "--precision", "16-mixed", "--engine", "deepspeed"],
@@ -284,20 +286,32 @@ def _same_strategy(a: ShardStrategy, b: ShardStrategy) -> bool:
             s.offload_params,
             s.config.nvme_path,
             ckpt and ckpt.policy,
+            s.config.replicate_size,
+            s.config.tensor_parallel_size,
         )
 
     return flags(a) == flags(b)
 
 
-def _trainer_accepts(strategy: ShardStrategy, precision: str) -> None:
-    """What a Trainer checks when it is built (precision against the engine), as far as a CPU allows."""
+def _trainer_accepts(strategy: ShardStrategy, precision: str, world_size: int = 1) -> None:
+    """What a Trainer checks when it is built (precision against the engine, the mesh against the world)."""
     if precision == "16-mixed":  # Lightning refuses fp16 AMP on CPU itself: ask the engine directly
         from lightning_shard.engines import engine_class
 
         engine = engine_class(strategy.engine_name)
         engine.check_precision(strategy.stage, engine.precision_class(precision))
         return
-    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, logger=False)
+    mesh = strategy.config.replicate_size > 1 or strategy.config.tensor_parallel_size > 1
+    devices = world_size if mesh else 1  # the mesh sizes must divide the world the plan was made for
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, logger=False
+    )
+    if mesh:
+        layout = trainer.strategy.layout
+        assert (layout.replicate, layout.tp) == (
+            strategy.config.replicate_size,
+            strategy.config.tensor_parallel_size,
+        )
 
 
 @pytest.mark.parametrize("deepspeed", [True, False], ids=["deepspeed", "no-deepspeed"])
@@ -327,7 +341,7 @@ def test_every_printed_recommendation_constructs_that_strategy(capfd, monkeypatc
     result = plan(**kwargs)
     built = ShardStrategy(**result.strategy_kwargs())
     assert result.strategy == line and _same_strategy(printed, built)
-    _trainer_accepts(built, args.precision)
+    _trainer_accepts(built, args.precision, kwargs["world_size"])
     if not deepspeed:
         assert built.engine_name == "fsdp"
     # Every row the table and the JSON show as runnable is one the strategy accepts, too.
@@ -335,7 +349,8 @@ def test_every_printed_recommendation_constructs_that_strategy(capfd, monkeypatc
     rows = json.loads(out)["stages"]
     for row in rows:
         if row["unsupported"] is None:
-            _trainer_accepts(eval(row["strategy"], {"ShardStrategy": ShardStrategy}), args.precision)
+            strategy = eval(row["strategy"], {"ShardStrategy": ShardStrategy})
+            _trainer_accepts(strategy, args.precision, kwargs["world_size"])
 
 
 @pytest.mark.parametrize("engine", ["auto", "fsdp", "deepspeed"])
@@ -459,6 +474,193 @@ def test_layout_for_70b_on_256_gpus_keeps_tp_within_a_node():
     assert data["suggested"]["tp"] * data["suggested"]["pp"] * data["suggested"]["dp"] == 256
 
 
+# --- the layout as ShardStrategy flags -------------------------------------------------------------------
+
+# The inferred 70B shape: 71 layers x 9088 hidden, 71 heads, ffn 4h, vocab 32000; bf16-mixed: r = 4, c = 2.
+BLOCK_70B = 2 * 9088 * 4 + (6 * 9088 + 2 * 4 * 9088) * 2 + 4 * 71 + 16  # per token, no recompute
+OUTSIDE_70B = 9088 * (4 + 2) + 8 + 32000 * 2  # final norm input, statistics, output, logits
+ACTS_70B_4096 = 4096 * (71 * BLOCK_70B + OUTSIDE_70B)  # one micro-batch of 4096 tokens, TP = 1
+
+
+def _mesh_strategy_builds(kwargs: dict, world_size: int) -> ShardStrategy:
+    from lightning_shard.config import ShardConfig
+
+    config = ShardConfig.from_flags(**kwargs)
+    strategy = ShardStrategy(**kwargs)
+    assert (strategy.config.replicate_size, strategy.config.tensor_parallel_size) == (
+        config.replicate_size,
+        config.tensor_parallel_size,
+    )
+    _trainer_accepts(strategy, "bf16-mixed", world_size)
+    return strategy
+
+
+def test_70b_on_256_gpus_recommends_tensor_parallelism_from_the_layout(capsys):
+    result = plan(70e9, world_size=256, device_memory="80GB", gpus_per_node=8, seq_len=4096, layout=True)
+    usable = 72_000_000_000
+    # TP=1 without recompute holds 95.7 GB of activations alone: it needs recompute. TP=2 splits them.
+    assert ACTS_70B_4096 == 95_718_457_344 > usable
+    tp1 = result.layout.options[0]
+    assert (tp1.tp, tp1.pp) == (1, 1) and tp1.row.config.activation_checkpointing != "none"
+    # So the layout's least recompute, then smallest TP x PP: TP=2 x PP=1 x DP=128 at stage 3, no recompute.
+    best = result.layout.suggested
+    assert (best.tp, best.pp, best.dp, best.row.config.stage) == (2, 1, 128, 3)
+    assert result.strategy == "ShardStrategy(stage=3, tensor_parallel_size=2)"
+    kwargs = result.strategy_kwargs()
+    assert kwargs == {"stage": 3, "tensor_parallel_size": 2}
+    # The recommended row is the TP=2 one: 16 bytes x 70e9 / (TP 2 x 128 shards), activations / 2.
+    row = result.recommended
+    assert (row.parameters, row.gradients, row.optimizer) == (1_093_750_000, 1_093_750_000, 2_187_500_000)
+    assert row.model_state == 4_375_000_000 and row.activations == ACTS_70B_4096 // 2
+    assert row.fits and row.config.tensor_parallel_size == 2
+    # HSDP would shard over one node's 8 / 2 = 4 ranks, 128 / 4 = 32 replicas: 16 x 35e9 / 4 = 140 GB of
+    # model state alone, over 72 GB usable, so replicate_size stays 1 and a note says why.
+    assert 16 * 35_000_000_000 // 4 == 140_000_000_000 > usable
+    (hsdp,) = [n for n in result.notes if "HSDP" in n]
+    assert hsdp.startswith("No HSDP (replicate_size stays 1, sharding over all 128 data-parallel ranks")
+    assert "ShardStrategy(stage=3, replicate_size=32, tensor_parallel_size=2) needs" in hsdp
+    assert "replicate_size" not in kwargs
+    _mesh_strategy_builds(kwargs, 256)
+    # The CLI prints the same line.
+    argv = [
+        "--params",
+        "70e9",
+        "--gpus",
+        "256",
+        "--gpu-mem",
+        "80GB",
+        "--gpus-per-node",
+        "8",
+        "--seq-len",
+        "4096",
+    ]
+    code, out, _ = _cli(capsys, *argv)
+    assert code == 0
+    assert re.search(
+        r"^recommended: ShardStrategy\(stage=3, tensor_parallel_size=2\)  \(58\.7 GB of 72\.0 GB usable: fits\)$",
+        out,
+        re.M,
+    )
+    # The data-parallel traffic is the TP=2 group's half of the gradients over 128 ranks.
+    assert result.communication.gradient_bytes == 35_000_000_000 * 4
+
+
+def test_70b_at_2048_tokens_needs_no_tensor_parallelism():
+    result = plan(70e9, world_size=256, device_memory="80GB", gpus_per_node=8, layout=True)
+    # 2048 tokens: 47.9 GB of activations plus 4.4 GB of model state fits at TP=1 without recompute.
+    assert result.strategy == "ShardStrategy(stage=3)" and result.layout.suggested.tp == 1
+    assert result.recommended.activations == ACTS_70B_4096 // 2  # half the tokens
+    (hsdp,) = [n for n in result.notes if "HSDP" in n]  # 16 x 70e9 / 8 = 140 GB over one node
+    assert "ShardStrategy(stage=3, replicate_size=32) needs" in hsdp
+
+
+def test_hsdp_when_one_nodes_shard_group_still_fits(capsys):
+    result = plan(7e9, world_size=64, device_memory="80GB", gpus_per_node=8, layout=True)
+    # Stage 2 is the lowest stage that fits 64 ranks; the layout wants no TP (TP=1 fits, no recompute).
+    assert result.stages[2].model_state == 16 * 7_000_000_000 // 64 and result.layout.suggested.tp == 1
+    # 64 ranks span 8 nodes: shard groups of 8 (one node), 8 replicas. Sharded over 8, the model state is
+    # 16 x 7e9 / 8 = 14 GB, and the row still fits: the line carries replicate_size.
+    kwargs = result.strategy_kwargs()
+    assert kwargs == {"stage": 2, "replicate_size": 8}
+    assert result.recommended.model_state == 14_000_000_000 and result.recommended.fits
+    assert result.recommended.total > result.stages[2].total
+    assert any(n.startswith("HSDP: shard groups of 8 ranks (one node), 8 replicas") for n in result.notes)
+    strategy = _mesh_strategy_builds(kwargs, 64)
+    assert strategy.config.replicate_size == 8
+    # Planned for that mesh directly, the same row; the CLI takes the sizes too.
+    fixed = plan(7e9, world_size=64, device_memory="80GB", replicate_size=8)
+    assert fixed.recommended == result.recommended
+    code, out, _ = _cli(capsys, "--params", "7e9", "--gpus", "64", "--gpu-mem", "80GB")
+    assert code == 0 and "recommended: ShardStrategy(stage=2, replicate_size=8)  (40.7 GB" in out
+    # Within one node there is nothing to replicate across.
+    assert plan(7e9, world_size=8, device_memory="80GB", layout=True).strategy_kwargs() == {"stage": 2}
+
+
+def test_small_model_on_one_node_gets_no_mesh_flags(capsys):
+    result = plan(1e9, world_size=8, device_memory="80GB", gpus_per_node=8, layout=True)
+    # 16 GB of model state + buffers fit one device: stage 0, and TP=1 is the layout's smallest group.
+    assert result.layout.suggested.tp == 1 and result.layout.runnable.tp == 1
+    assert result.strategy_kwargs() == {"stage": 0} and result.strategy == "ShardStrategy(stage=0)"
+    code, out, _ = _cli(capsys, "--params", "1e9", "--devices", "8", "--gpu-mem", "80GB", "--layout")
+    assert code == 0 and "recommended: ShardStrategy(stage=0)  (" in out
+    assert "tensor_parallel_size" not in out and "replicate_size" not in out
+
+
+# Two blocks and a 10M-token vocabulary: the embedding is nearly the whole model, and only pipeline stages
+# split it (one device per node: no TP).
+HUGE_VOCAB = dict(params=None, layers=2, hidden=1024, vocab=10_000_000, world_size=8, gpus_per_node=1)
+
+
+def test_a_pipeline_only_layout_keeps_a_runnable_line_and_says_why():
+    result = plan(**HUGE_VOCAB, device_memory="40GB", micro_batch=None, layout=True)
+    psi, root, usable = result.model.params, result.model.root_params, 36_000_000_000
+    # Without PP, stage 3 still holds 16 psi / 8 of state and gathers the root unit (bf16): over 36 GB.
+    assert 16 * psi // 8 + 2 * root > usable
+    best = result.layout.suggested
+    assert (best.tp, best.pp) == (1, 2) and best.row.fits and result.layout.runnable is None
+    note = (
+        "The suggested layout TP=1 x PP=2 x DP=4 needs a pipeline-parallel runtime, which ShardStrategy does"
+        " not provide, and no layout without pipeline parallelism fits: the recommended line is the"
+        " data-parallel search's."
+    )
+    assert note in result.notes
+    without_layout = plan(**HUGE_VOCAB, device_memory="40GB", micro_batch=None)
+    assert result.strategy == without_layout.strategy and result.fits
+    kwargs = result.strategy_kwargs()
+    assert "tensor_parallel_size" not in kwargs and "pipeline" not in result.strategy
+    ShardStrategy(**kwargs)
+
+
+def test_a_pipeline_layout_falls_back_to_the_best_without_pp():
+    result = plan(params=None, layers=4, hidden=4096, vocab=256_000, world_size=8, gpus_per_node=1,
+                  device_memory="16GB", seq_len=2048, layout=True)  # fmt: skip
+    best, runnable = result.layout.suggested, result.layout.runnable
+    assert (best.pp, best.row.config.activation_checkpointing) == (2, "none")
+    assert (runnable.tp, runnable.pp) == (1, 1) and runnable.row.config.activation_checkpointing == "full"
+    assert (
+        "The suggested layout TP=1 x PP=2 x DP=4 needs a pipeline-parallel runtime, which ShardStrategy"
+        " does not provide; the recommended line is for TP=1 x PP=1 x DP=8."
+    ) in result.notes
+    assert result.fits and "tensor_parallel_size" not in result.strategy_kwargs()
+
+
+def test_stage_auto_plans_for_the_strategys_own_mesh():
+    from types import SimpleNamespace
+
+    from lightning_shard.config import ShardConfig
+    from lightning_shard.engines import engine_class
+    from lightning_shard.planner import auto_stage
+
+    def choose(**flags):
+        config = ShardConfig.from_flags(stage="auto", device_memory="1TB", **flags)
+        strategy = SimpleNamespace(
+            config=config,
+            lightning_module=tiny_gpt(),
+            root_device=torch.device("cpu"),
+            world_size=8,
+            num_processes=8,
+            precision_plugin=engine_class(config.engine).precision_class("bf16-mixed"),
+        )
+        return auto_stage.choose_for(strategy, SimpleNamespace())
+
+    # 1 TB: everything fits, so the lowest stage the mesh allows. HSDP has no stage 0 or 1.
+    assert choose() == (0, None)
+    assert choose(replicate_size=2) == (2, None)
+    assert choose(replicate_size=2, tensor_parallel_size=2) == (2, None)
+    assert choose(tensor_parallel_size=2) == (0, None)
+    # The bytes are the mesh's: TP divides the model, HSDP shards over one group of 8 / (2 x 2) = 2 ranks.
+    model = tiny_gpt()
+    params = sum(p.numel() for p in model.parameters())
+    kwargs = dict(world_size=8, device_memory=10**12, precision="32-true", micro_batch=None, seq_len=None)
+    tp = choose_stage(model, tensor_parallel_size=2, **kwargs)
+    assert tp.stage == 0 and tp.recommended.parameters == params * 4 // 2
+    assert tp.strategy_kwargs() == {"stage": 0, "tensor_parallel_size": 2}
+    hsdp = choose_stage(model, tensor_parallel_size=2, replicate_size=2, **kwargs)
+    assert hsdp.strategy_kwargs() == {"stage": 2, "replicate_size": 2, "tensor_parallel_size": 2}
+    assert hsdp.recommended.optimizer == int(params / 2 * 8 / 2)
+    assert [row.unsupported is not None for row in hsdp.stages] == [True, True, False, False]
+
+
 def test_shape_inferred_from_a_parameter_count():
     # 12 L h^2 = params with h = 128 L, h rounded to 64: GPT-3 175B is 96 x 12288.
     shape = shape_from_params(7_000_000_000)
@@ -578,6 +780,7 @@ JSON_KEYS = {
     "row": {
         "stage", "offload_optimizer", "offload_params", "activation_checkpointing", "strategy", "parameters",
         "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
+        "replicate_size", "tensor_parallel_size",
     },
     "communication": {"bandwidth", "gradient_bytes", "allreduce_seconds", "step_bytes", "step_seconds"},
     "layout": {"gpus_per_node", "options", "suggested"},
@@ -652,6 +855,14 @@ def test_plot_without_matplotlib_names_the_extra(capsys, tmp_path, monkeypatch):
         (["--params", "7e9", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
         (["--params", "7e9", "--model.n_layers", "2"], "no --model CLASS_PATH was given"),
         (["--gpu-mem", "8GB"], "plan needs a model"),
+        (
+            ["--params", "7e9", "--gpus", "8", "--tensor-parallel-size", "3", "--gpu-mem", "8GB"],
+            "--tensor-parallel-size 3 does not divide the world size 8",
+        ),
+        (
+            ["--params", "7e9", "--gpus", "8", "--replicate-size", "2", "--stage", "0", "--gpu-mem", "8GB"],
+            "replica groups (HSDP) need stage 2 or 3",
+        ),
     ],
 )
 def test_cli_user_errors_exit_2_without_traceback(capsys, argv, message):
@@ -721,6 +932,26 @@ def test_consolidate_still_reports_a_missing_checkpoint(capsys, tmp_path):
         (
             lambda: plan(module=torch.nn.Linear(4, 4), activation_checkpointing="full", device_memory="8GB"),
             r"needs repeated blocks",
+        ),
+        (
+            lambda: plan(7e9, world_size=8, tensor_parallel_size=3, device_memory="8GB"),
+            r"plan\(tensor_parallel_size=3\) does not divide world_size 8",
+        ),
+        (
+            lambda: plan(7e9, world_size=8, tensor_parallel_size=2, replicate_size=3, device_memory="8GB"),
+            r"plan\(replicate_size=3\) does not divide the 4 data-parallel ranks",
+        ),
+        (
+            lambda: plan(7e9, world_size=8, replicate_size=0, device_memory="8GB"),
+            r"plan\(replicate_size=0\) must be a whole number >= 1",
+        ),
+        (
+            lambda: plan(7e9, world_size=8, replicate_size=2, stage=1, device_memory="8GB"),
+            r"plan\(stage=1\): ShardStrategy\(stage=1, replicate_size=2\): replica groups \(HSDP\) need stage 2",
+        ),
+        (
+            lambda: plan(7e9, world_size=8, tensor_parallel_size=2, engine="deepspeed", device_memory="8GB"),
+            r"ShardStrategy\(tensor_parallel_size=2\) is not available with the DeepSpeed engine",
         ),
     ],
 )

@@ -65,23 +65,29 @@ class TextDataModule(L.LightningDataModule):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention. The fused ``qkv`` projection's outputs are laid out head by head
+    (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``), so splitting its columns across tensor-parallel ranks gives
+    each rank whole heads; the head count is read from the width the projection returns."""
+
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"GPT(d_model={d_model}) must be divisible by n_heads={n_heads}.")
         self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=-1)  # 3 x (b, t, c)
-        q, k, v = (
-            z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v)
-        )  # (b, h, t, d)
+        b, t, _ = x.shape
+        qkv = self.qkv(x)  # (b, t, 3 h d), h = the heads this rank holds
+        heads = qkv.size(-1) // (3 * self.head_dim)
+        q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # 3 x (b, h, t, d)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (b, h, t, d)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -102,6 +108,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: How ``ShardStrategy(tensor_parallel_size=T)`` splits the blocks when no plan is given: attention by
+    #: heads and the MLP by hidden units (Megatron's column / row pairs), with the norms on the sequence
+    #: split between them (sequence parallelism). Embeddings and the tied head stay whole.
+    tensor_parallel_plan = {
+        "blocks.*.ln1": "sequence",
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.ln2": "sequence",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
+
     def __init__(
         self,
         vocab_size: int = 256,

@@ -46,11 +46,15 @@ class RunContext:
 
     device: torch.device
     mesh: Any
-    """The data-parallel ``DeviceMesh``."""
+    """The data-parallel ``DeviceMesh``: 1-D, or ``(replicate, shard)`` for HSDP."""
     global_rank: int
     world_size: int
     backend: str
     barrier: Callable[[], None]
+    tp_mesh: Any = None
+    """The tensor-parallel ``DeviceMesh`` (``None``: tensor parallelism off)."""
+    world_mesh: Any = None
+    """The whole mesh (``(replicate, shard, tp)``, or the 1-D data-parallel one)."""
 
     @property
     def is_global_zero(self) -> bool:

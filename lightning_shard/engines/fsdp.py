@@ -42,6 +42,10 @@ from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
+from lightning_shard.parallel import apply_tensor_parallel
+
+#: Set on a module once its layers are split (a later Trainer call finds them split).
+_TP_APPLIED = "_lightning_shard_tensor_parallel"
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +83,40 @@ class FSDPEngine(Engine):
                 " there is nothing to shard or synchronise. Check requires_grad, or train without a strategy."
             )
         module = self.precision.convert_module(module)
+        if self.run.tp_mesh is not None and not getattr(module, _TP_APPLIED, False):
+            # Layers split first, then FSDP2 shards over the data-parallel mesh (torch's 2-D order); a meta
+            # module is split and sharded before anything is allocated. Once per module.
+            plan = apply_tensor_parallel(module, self.run.tp_mesh, self.config.tensor_parallel_plan)
+            setattr(module, _TP_APPLIED, True)
+            log.info("ShardStrategy: tensor parallel over %d ranks: %s", self.run.tp_mesh.size(), plan)
         if self.stage >= 2:
-            wrapped = self._fully_shard(module)  # a meta module is sharded first, then allocated
-            materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
+            wrapped = self._fully_shard(module)
+            self._materialize(module)
+        elif self.run.tp_mesh is not None:
+            self._materialize(module)
+            module.to(self.run.device)
+            wrapped = self._replicate(module)
         else:
-            materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
+            self._materialize(module)
             module.to(self.run.device)
             wrapped = self._ddp(module)
         return wrapped
+
+    def _materialize(self, module: nn.Module) -> None:
+        run = self.run
+        materialize(module, run.device, run.global_rank, self.config.init_weights, run.world_mesh)
+
+    def _replicate(self, module: nn.Module) -> nn.Module:
+        """Stage 0 with tensor parallelism: every data-parallel rank holds the whole (split) model and
+        gradients are all-reduced: DDP, built on FSDP2's parameter handling so that it takes DTensors."""
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(module, FSDPModule):  # an earlier Trainer call's: point it at this call's groups
+            _compat.refresh_fsdp_groups(module)
+            return module
+        replicate(module, mesh=self.mesh, mp_policy=self.precision.fsdp_mp_policy())
+        return module
 
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
@@ -188,7 +218,7 @@ class FSDPEngine(Engine):
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
-        if self.stage < 2:
+        if self.stage < 2 and self.run.tp_mesh is None:
             with model.no_sync():  # type: ignore[operator]
                 yield
             return
@@ -247,7 +277,7 @@ class FSDPEngine(Engine):
         return held
 
     def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        if self.stage >= 2:
+        if self.stage >= 2 or self.run.tp_mesh is not None:
             _compat.refresh_fsdp_groups(model)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

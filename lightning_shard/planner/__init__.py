@@ -21,6 +21,7 @@ Example::
 ``memory``       bytes per device of one configuration (model state, buffers); the search order
 ``layout``       data-parallel traffic, the pipeline bubble, a TP x PP x DP layout
 ``accepted``     which configurations the strategy accepts (``ShardConfig.from_flags``)
+``mesh``         the layout as ``tensor_parallel_size`` / ``replicate_size`` (HSDP) flags
 ``render``       rows as JSON, as a text grid, as stacked bars
 ``result``       :class:`Plan`: the answer, with ``to_dict``, ``table`` and ``plot``
 ``search``       :func:`plan` and :func:`choose_stage`

@@ -3,8 +3,9 @@
 Picks the lowest stage (then the least recomputation) whose planned per-device bytes fit the
 device memory with a safety margin, among the stages the strategy accepts with the flags it was
 built with: offload flags stay as the user set them, and the engine they chose (fixed when the
-strategy was built) keeps its rules (DeepSpeed: no fp16 at stage 0). The choice and the table
-behind it are logged.
+strategy was built) keeps its rules (DeepSpeed: no fp16 at stage 0). The mesh is the strategy's
+own (``tensor_parallel_size`` divides the model, ``replicate_size`` > 1 is HSDP: stages 2-3 only,
+state sharded over one shard group). The choice and the table behind it are logged.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ def choose(
     offload_params: Any,
     engine: str = "auto",
     nvme_path: str | None = None,
+    tensor_parallel_size: int = 1,
+    replicate_size: int = 1,
 ) -> tuple[int, str | None]:
-    """Return (stage, activation checkpointing policy or None) for ``stage="auto"``."""
+    """Return (stage, activation checkpointing policy or None) for ``stage="auto"``.
+
+    The mesh sizes are the strategy's, planned as fixed: with ``replicate_size > 1`` (HSDP) only
+    stages 2 and 3 are candidates.
+    """
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")
         if device_memory is not None
@@ -72,6 +79,8 @@ def choose(
         offload_params=offload_params or "none",
         engine=engine,
         nvme_path=nvme_path,
+        tensor_parallel_size=tensor_parallel_size,
+        replicate_size=replicate_size,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -106,6 +115,8 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         config.offload_params,
         engine=config.engine,
         nvme_path=config.nvme_path,
+        tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
+        replicate_size=getattr(config, "replicate_size", 1),
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointing.from_flag(chosen_policy)

@@ -49,6 +49,10 @@ class Config:
     offload_optimizer: Offload = "none"
     offload_params: Offload = "none"
     activation_checkpointing: Checkpointing = "none"
+    replicate_size: int = 1
+    """HSDP: replicas of the shard group (stages 2-3); 1 shards over every data-parallel rank."""
+    tensor_parallel_size: int = 1
+    """Ranks of one tensor-parallel group (within a node); 1 is data parallelism alone."""
 
     @property
     def offloads(self) -> int:
@@ -76,6 +80,9 @@ class Config:
         kwargs: dict[str, Any] = {"stage": self.stage}
         if engine != "auto":
             kwargs["engine"] = engine
+        for size in ("replicate_size", "tensor_parallel_size"):
+            if getattr(self, size) != 1:
+                kwargs[size] = getattr(self, size)
         for flag in ("offload_optimizer", "offload_params", "activation_checkpointing"):
             if getattr(self, flag) != "none":
                 kwargs[flag] = getattr(self, flag)
@@ -147,6 +154,7 @@ class Setting:
 
     shape: ModelShape
     world_size: int
+    """The ranks sharded state divides over: the data-parallel ranks, or one shard group under HSDP."""
     usable: int
     precision: str
     optimizer: str
@@ -230,15 +238,20 @@ def candidates(
     offload_optimizer: Offload | Literal["auto"],
     offload_params: Offload | Literal["auto"],
     checkpointing: Checkpointing | Literal["auto"],
+    replicate_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> list[Config]:
-    """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path)."""
+    """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path).
+
+    The mesh sizes are not searched here: they are fixed, or chosen from the layout (:mod:`.mesh`).
+    """
     opt_choices: tuple[Offload, ...] = (
         ("none", "cpu") if offload_optimizer == "auto" else (offload_optimizer,)
     )
     param_choices: tuple[Offload, ...] = ("none", "cpu") if offload_params == "auto" else (offload_params,)
     ckpt_choices: tuple[Checkpointing, ...] = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     return [
-        Config(stage, opt, par, ckpt)
+        Config(stage, opt, par, ckpt, replicate_size, tensor_parallel_size)
         for stage in stages
         for opt in opt_choices
         for par in param_choices

@@ -56,6 +56,10 @@ def layout_dict(layout: Layout) -> dict[str, Any]:
 
 def flags(config: Config) -> str:
     parts = []
+    if config.tensor_parallel_size != 1:
+        parts.append(f"tp:{config.tensor_parallel_size}")
+    if config.replicate_size != 1:
+        parts.append(f"replicas:{config.replicate_size}")
     if config.offload_optimizer != "none":
         parts.append(f"opt->{config.offload_optimizer}")
     if config.offload_params != "none":
@@ -95,7 +99,7 @@ def layout_lines(layout: Layout) -> list[str]:
             str(o.row.config.stage),
             o.row.config.activation_checkpointing,
             format_bytes(o.row.total),
-            "yes" if o.row.fits else "NO",
+            "n/a" if o.row.unsupported else "yes" if o.row.fits else "NO",
             f"{o.bubble:.0%} (m={o.micro_batches})" if o.pp > 1 else "-",
             f"{o.communication.allreduce_seconds:.2f} s",
         ]

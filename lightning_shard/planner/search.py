@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_shard.planner import mesh
 from lightning_shard.planner.accepted import StrategyCheck
-from lightning_shard.planner.layout import communication, suggest_layout
+from lightning_shard.planner.layout import Layout, communication, suggest_layout
 from lightning_shard.planner.memory import (
     CHECKPOINTING,
     OPTIMIZER_STATES,
@@ -71,7 +72,7 @@ def _shape(
 def _validate(args: dict[str, Any]) -> None:
     for name in ("world_size", "gpus_per_node"):
         _positive(name, args[name])
-    for name in ("micro_batch", "seq_len", "micro_batches"):
+    for name in ("micro_batch", "seq_len", "micro_batches", "tensor_parallel_size", "replicate_size"):
         _positive(name, args[name], allow_none=True)
     _check_choice("precision", args["precision"], tuple(PRECISION_BYTES))
     _check_choice("optimizer", args["optimizer"], tuple(OPTIMIZER_STATES))
@@ -124,6 +125,8 @@ def plan(
     micro_batches: int | None = None,
     engine: str = "auto",
     nvme_path: str | None = None,
+    tensor_parallel_size: int | None = None,
+    replicate_size: int | None = None,
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -132,35 +135,56 @@ def plan(
     unless ``layers`` / ``hidden`` are given). ``seq_len`` defaults to the model's own (position
     embeddings), else 2048; ``micro_batch=None`` plans model state only. ``"auto"`` flags are searched,
     fixed ones kept; a fixed ``stage`` limits the recommendation, not the table. ``layout=True`` adds the
-    TP x PP x DP suggestion for ``world_size`` devices of ``gpus_per_node`` each.
+    TP x PP x DP suggestion for ``world_size`` devices of ``gpus_per_node`` each, and the recommended
+    line then carries the mesh flags it implies (``tensor_parallel_size``, ``replicate_size`` for HSDP;
+    see :mod:`.mesh`). Giving ``tensor_parallel_size`` or ``replicate_size`` fixes the mesh instead
+    (the other defaults to 1): every row is planned for it, and ``replicate_size > 1`` limits the
+    recommendation to stages 2-3.
 
     Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
     (with ``engine`` and ``nvme_path`` as given), so a recommendation always constructs a
     ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
     """
     _validate(locals())
+    fixed_mesh = tensor_parallel_size is not None or replicate_size is not None
+    tp, replicas = tensor_parallel_size or 1, replicate_size or 1
+    mesh.check_sizes(world_size, tp, replicas)
     memory = parse_size(device_memory, "device_memory")
     dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "ffn": ffn}
     shape = _shape(module, model, init_args, params, dims)
     seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
     usable = int(memory * (1 - margin))
-    setting = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
+    full = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
+    setting = mesh.fixed_setting(full, tp, replicas)
     check = StrategyCheck(engine, nvme_path, precision)
-    configs = candidates((0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing)
+    configs = candidates(
+        (0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing, replicas, tp
+    )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
-    allowed = [row for row in rows if stage == "auto" or row.config.stage == stage]
+    allowed = [
+        row
+        for row in rows
+        if (row.config.stage == stage if stage != "auto" else replicas == 1 or row.config.stage >= 2)
+    ]
     if all(row.unsupported for row in allowed):
         # Explain with the closest miss: the highest stage, with no more offloads than the user asked for.
         closest = min(allowed, key=lambda row: (-row.config.stage, row.config.offloads))
         raise PlanInputError(f"plan(stage={stage!r}): {closest.unsupported}")
     recommended = cheapest(allowed)
     bw = parse_bandwidth(bandwidth, "bandwidth")
-    comm = communication(setting, recommended.config.stage, bw) if recommended and world_size > 1 else None
-    grid = None
+    grid: Layout | None = None
+    mesh_notes: list[str] = []
     if layout and world_size > 1:
-        grid = suggest_layout(
-            setting, gpus_per_node, bw, micro_batches, activation_checkpointing, check.judge
-        )
+        grid = suggest_layout(full, gpus_per_node, bw, micro_batches, activation_checkpointing, check.judge)
+        if not fixed_mesh:
+            fixed = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params}
+            recommended, setting, mesh_notes = _mesh(recommended, setting, grid, fixed, check)
+    comm = None
+    if recommended is not None and world_size > 1:
+        # Over every data-parallel rank, as if flat: HSDP's shard groups do not change it here.
+        data_parallel = replace(setting, world_size=world_size)
+        comm = communication(data_parallel, recommended.config.stage, bw)
+    notes = _notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check) + mesh_notes
     return Plan(
         model=shape,
         world_size=world_size,
@@ -174,10 +198,35 @@ def plan(
         recommended=recommended,
         communication=comm,
         layout=grid,
-        notes=tuple(_notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check)),
+        notes=tuple(notes),
         engine=engine,
         nvme_path=nvme_path,
     )
+
+
+def _mesh(
+    row: Breakdown | None, setting: Setting, grid: Layout, fixed: dict[str, Any], check: StrategyCheck
+) -> tuple[Breakdown | None, Setting, list[str]]:
+    """The recommendation with the mesh flags the layout implies: TP, then HSDP (see :mod:`.mesh`).
+
+    The layout's rows search neither the stage nor offloads the user fixed: its TP option is taken only
+    if it keeps them.
+    """
+    notes: list[str] = []
+    option = grid.runnable
+    config = option.row.config if option is not None else None
+    changed = [k for k, v in fixed.items() if config is not None and v != "auto" and getattr(config, k) != v]
+    if not changed:
+        row, setting, notes = mesh.with_layout(row, setting, grid)
+    elif option is not None and option.tp > 1:
+        notes.append(
+            f"The layout's TP={option.tp} option is {option.row.strategy_line}, which changes the"
+            f" {' and '.join(changed)} you fixed: the recommended line stays data-parallel."
+        )
+    if row is not None:
+        row, hsdp_notes = mesh.with_hsdp(row, setting, grid.gpus_per_node, check)
+        notes += hsdp_notes
+    return row, setting, notes
 
 
 def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None) -> list[str]:
@@ -240,13 +289,17 @@ def choose_stage(
     offload_params: Offload | Auto = "auto",
     engine: str = "auto",
     nvme_path: str | None = None,
+    tensor_parallel_size: int = 1,
+    replicate_size: int = 1,
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
     Cheapest = lowest stage, then fewest offloads, then least recompute, among configurations whose
     per-device total fits ``(1 - margin) x device_memory``. Flags the user fixed on the strategy are
     passed as fixed values (``engine`` already resolved, ``nvme_path``), so the stage chosen is one
-    the strategy accepts; ``"auto"`` ones are searched. If nothing fits, ``plan.recommended`` is the
+    the strategy accepts; ``"auto"`` ones are searched. The mesh sizes are the strategy's own, kept
+    fixed: each rank holds 1 / ``tensor_parallel_size`` of the model, and with ``replicate_size > 1``
+    (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed. If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
     """
@@ -264,4 +317,6 @@ def choose_stage(
         offload_params=offload_params,
         engine=engine,
         nvme_path=nvme_path,
+        tensor_parallel_size=tensor_parallel_size,
+        replicate_size=replicate_size,
     )

@@ -1,0 +1,73 @@
+"""Clipping by the global gradient norm when parameters live on different meshes.
+
+With tensor parallelism, the split layers' parameters are DTensors on ``(data-parallel, tp)`` while the
+rest are on the data-parallel mesh alone, and torch's ``clip_grad_norm_`` cannot stack norms from two
+meshes. Every element of a gradient is held by ``world / shards`` ranks (its copies), so the squared
+norm is one sum over all ranks of each rank's local squares divided by that count: one all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _shards(tensor: Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return 1
+    count = 1
+    for dim, placement in enumerate(tensor.placements):
+        # Split along this mesh dimension: Shard, and FSDP2's strided shard over a tensor-parallel split.
+        if not (placement.is_replicate() or placement.is_partial()):
+            count *= tensor.device_mesh.size(dim)
+    return count
+
+
+def grad_norm(
+    parameters: Iterable[Tensor], norm_type: float = 2.0, device: torch.device | None = None
+) -> Tensor:
+    """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters;
+    ``device`` is where the all-reduce runs when this rank holds no gradient)."""
+    if norm_type != 2.0:
+        raise ValueError(
+            f"Gradient clipping over a tensor-parallel mesh supports the 2-norm only (got {norm_type})."
+        )
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total: Tensor | None = None
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        local = g.to_local() if isinstance(g, DTensor) else g
+        squares = local.detach().double().pow(2).sum() * (_shards(g) / world)
+        total = squares if total is None else total + squares.to(total.device)
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    norm = grad_norm(params, norm_type)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        g = p.grad
+        assert g is not None
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
+    return norm.float()
+
+
+__all__ = ["clip_grad_norm_", "grad_norm"]

@@ -1,0 +1,267 @@
+"""Which layers split how: a tensor-parallel plan, resolved against a model and applied with torch.
+
+A plan maps module-name patterns (``"blocks.*.attn.qkv"``; ``*`` is one name component; a pattern
+matches a module's full name or its tail) to a style: ``"colwise"`` (output features split: each rank
+computes some of the outputs, e.g. some attention heads), ``"rowwise"`` (input features split; the
+partial outputs are summed), ``"sequence"`` (a norm that runs on the rank's slice of the sequence), or
+any torch ``ParallelStyle``. With ``"sequence"`` in a plan the activations between the split layers of
+the repeated blocks stay split along the sequence (Megatron's sequence parallelism): column-split
+layers gather the sequence, row-split layers scatter it again, the first block splits it and the last
+one gathers it back.
+
+``tensor_parallel_plan=None`` uses the plan the model carries: a ``tensor_parallel_plan`` mapping on
+any of its modules (the demo GPT has one), or a Hugging Face model's ``config.base_model_tp_plan``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+STYLES = ("colwise", "rowwise", "sequence")
+# Hugging Face plan styles with a direct torch equivalent (others are refused by name).
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "sequence_parallel": "sequence"}
+# Wrappers that insert a name component without changing what the model is.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+_HEAD_ATTRS = ("n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
+
+PlanSpec = Mapping[str, Any]
+
+
+def check_plan_flag(plan: Any) -> dict[str, Any] | None:
+    """Construction-time check of ``tensor_parallel_plan``: a mapping of patterns to known styles."""
+    if plan is None:
+        return None
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(
+            f"ShardStrategy(tensor_parallel_plan={plan!r}) must be a non-empty mapping from module-name patterns"
+            ' to styles, e.g. {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}.'
+        )
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan=...) key {pattern!r} is not a module-name pattern."
+            )
+        if isinstance(style, ParallelStyle):
+            continue
+        if style not in STYLES:
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan={{{pattern!r}: {style!r}}}): unknown style {style!r}. Use"
+                f" one of {', '.join(repr(s) for s in STYLES)} or a torch.distributed.tensor.parallel.ParallelStyle."
+            )
+    return dict(plan)
+
+
+def clean_name(name: str) -> str:
+    """A module name without the components wrappers insert (activation checkpointing, compile)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _pattern(pattern: str, anchored: bool) -> re.Pattern[str]:
+    body = r"[^.]+".join(re.escape(part) for part in pattern.split("*"))
+    return re.compile(("^" if anchored else r"(?:^|.*\.)") + body + "$")
+
+
+def carried_plan(model: nn.Module) -> tuple[dict[str, Any], str] | None:
+    """The plan the model carries, with patterns anchored at ``model``, and where it was found."""
+    for name, module in model.named_modules():
+        own = getattr(type(module), "tensor_parallel_plan", None)
+        own = getattr(module, "tensor_parallel_plan", own)
+        prefix = clean_name(name)
+        if isinstance(own, Mapping) and own:
+            return _prefixed(own, prefix), f"{type(module).__name__}.tensor_parallel_plan"
+        config = getattr(module, "config", None)
+        hf_plan = getattr(config, "base_model_tp_plan", None)
+        if isinstance(hf_plan, Mapping) and hf_plan:
+            base = getattr(module, "base_model_prefix", "")
+            if base and hasattr(module, base):
+                prefix = f"{prefix}.{base}" if prefix else base
+            where = f"{type(module).__name__}.config.base_model_tp_plan"
+            styles: dict[str, Any] = {}
+            for pattern, style in hf_plan.items():
+                if style not in _HF_STYLES:
+                    raise ValueError(
+                        f"ShardStrategy(tensor_parallel_plan=None): the plan {where} carries the style {style!r}"
+                        f" for {pattern!r}, which has no torch equivalent here. Pass tensor_parallel_plan= yourself"
+                        f" (styles {', '.join(repr(s) for s in STYLES)} or torch ParallelStyle objects)."
+                    )
+                styles[pattern] = _HF_STYLES[style]
+            return _prefixed(styles, prefix), where
+    return None
+
+
+def _prefixed(plan: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
+
+
+def resolve_plan(model: nn.Module, plan: PlanSpec | None, tp_size: int) -> dict[str, Any]:
+    """Module name (as ``model.named_modules()`` gives it) -> style, every pattern checked against the model.
+
+    Raises ``ValueError`` naming the flag when no plan is available, a pattern matches no module, a module
+    is matched twice, or a split dimension / head count is not divisible by ``tp_size``.
+    """
+    anchored = plan is None
+    if plan is None:
+        found = carried_plan(model)
+        if found is None:
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_size={tp_size}) needs a plan: {type(model).__name__} carries none"
+                " (no tensor_parallel_plan attribute, no Hugging Face base_model_tp_plan). Pass"
+                ' tensor_parallel_plan={"<pattern>": "colwise" | "rowwise" | "sequence", ...}, e.g.'
+                ' {"layers.*.attn.q_proj": "colwise", "layers.*.attn.o_proj": "rowwise"}.'
+            )
+        plan = found[0]
+    named = [(name, clean_name(name), module) for name, module in model.named_modules() if name]
+    resolved: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        regex = _pattern(pattern, anchored)
+        hits = [(name, module) for name, clean, module in named if regex.match(clean)]
+        if not hits:
+            examples = [clean for _, clean, m in named if isinstance(m, (nn.Linear, nn.Embedding))][:6]
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan=...): the pattern {pattern!r} matches no module of"
+                f" {type(model).__name__}. '*' stands for one name component; module names look like"
+                f" {', '.join(examples) or '(no Linear / Embedding modules)'}."
+            )
+        for name, module in hits:
+            if name in resolved:
+                raise ValueError(
+                    f"ShardStrategy(tensor_parallel_plan=...): {clean_name(name)} is matched by more than one"
+                    f" pattern (the last is {pattern!r}). Give each module one style."
+                )
+            if isinstance(style, str):
+                _check_divisible(model, name, module, style, tp_size)
+            resolved[name] = style
+    return resolved
+
+
+def _check_divisible(model: nn.Module, name: str, module: nn.Module, style: str, tp: int) -> None:
+    flag = f"ShardStrategy(tensor_parallel_size={tp})"
+    if style in ("colwise", "rowwise"):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan=...): {clean_name(name)} is a {type(module).__name__};"
+                f" {style!r} splits nn.Linear and nn.Embedding only. Give it a torch ParallelStyle instead."
+            )
+        if isinstance(module, nn.Linear):
+            dim, size = (
+                ("out_features", module.out_features)
+                if style == "colwise"
+                else ("in_features", module.in_features)
+            )
+        else:
+            dim, size = (
+                ("embedding_dim", module.embedding_dim)
+                if style == "colwise"
+                else ("num_embeddings", module.num_embeddings)
+            )
+        if size % tp:
+            raise ValueError(
+                f"{flag} does not divide {clean_name(name)}.{dim}={size}, which {style!r} splits. Use a"
+                f" tensor_parallel_size that divides {size}, or leave this module out of the plan."
+            )
+    # Attention heads are split whole: every head count on the way down to this module must divide.
+    parts = name.split(".")
+    for depth in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:depth]))
+        for source in (owner, getattr(owner, "config", None)):
+            for attr in _HEAD_ATTRS:
+                heads = getattr(source, attr, None)
+                if isinstance(heads, int) and not isinstance(heads, bool) and heads % tp:
+                    where = clean_name(".".join(parts[:depth])) or type(model).__name__
+                    what = f"{where}.config.{attr}" if source is not owner else f"{where}.{attr}"
+                    raise ValueError(
+                        f"{flag} does not divide {what}={heads}: each rank must hold whole attention heads."
+                        f" Use a tensor_parallel_size that divides {heads}."
+                    )
+
+
+def to_styles(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """torch ``ParallelStyle`` objects for a resolved plan, with sequence parallelism's entry and exit."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sequence = [name for name, style in resolved.items() if style == "sequence"]
+    region = _sequence_region(model, sequence) if sequence else []
+    inside = tuple(f"{block}." for block in region)
+    styles: dict[str, Any] = {}
+    for name, style in resolved.items():
+        split_seq = name.startswith(inside) if inside else False
+        if style == "colwise":
+            styles[name] = ColwiseParallel(input_layouts=Shard(1)) if split_seq else ColwiseParallel()
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel(output_layouts=Shard(1)) if split_seq else RowwiseParallel()
+        elif style == "sequence":
+            styles[name] = SequenceParallel()
+        else:
+            styles[name] = style
+    if region:
+        first, last = region[0], region[-1]
+        enter: dict[str, Any] = {"input_layouts": (Replicate(),), "desired_input_layouts": (Shard(1),)}
+        leave: dict[str, Any] = {"output_layouts": (Shard(1),), "desired_output_layouts": (Replicate(),)}
+        if first == last:
+            styles[first] = PrepareModuleInputOutput(
+                **enter, **leave, use_local_input=True, use_local_output=True
+            )
+        else:
+            styles[first] = PrepareModuleInput(**enter, use_local_output=True)
+            styles[last] = PrepareModuleOutput(**leave, use_local_output=True)
+    return styles
+
+
+def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
+    """The names of the repeated blocks that hold ``"sequence"`` modules, in model order."""
+    from lightning_shard._modules import detect_block_classes
+
+    classes = detect_block_classes(model)
+    blocks = [name for name, m in model.named_modules() if classes and isinstance(m, classes)]
+    region: list[str] = []
+    for name in sequence:
+        owner = next((b for b in blocks if name.startswith(f"{b}.")), None)
+        if owner is None:
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan=...): {clean_name(name)} is 'sequence' but is not inside"
+                " one of the model's repeated blocks. Sequence parallelism runs on the norms inside the blocks"
+                " (between their split layers); give modules outside them 'colwise', 'rowwise' or no style."
+            )
+        region.append(owner)
+    ordered = [b for b in blocks if b in set(region)]
+    first, last = blocks.index(ordered[0]), blocks.index(ordered[-1])
+    if ordered != blocks[first : last + 1]:
+        raise ValueError(
+            "ShardStrategy(tensor_parallel_plan=...): 'sequence' must cover consecutive blocks (the sequence is"
+            f" split on entry to {clean_name(ordered[0])} and gathered after {clean_name(ordered[-1])})."
+        )
+    return ordered
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: PlanSpec | None) -> dict[str, Any]:
+    """Split ``model``'s layers over ``tp_mesh`` (before FSDP2 shards them); returns the resolved plan."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = resolve_plan(model, plan, tp_mesh.size())
+    parallelize_module(model, tp_mesh, to_styles(model, resolved))
+    return resolved
+
+
+__all__ = [
+    "STYLES",
+    "apply_tensor_parallel",
+    "carried_plan",
+    "check_plan_flag",
+    "clean_name",
+    "resolve_plan",
+    "to_styles",
+]
