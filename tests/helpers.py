@@ -33,15 +33,17 @@ def token_dataset(n: int = 64, seed: int = 1) -> TensorDataset:
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
-def loader(batch_size: int, n: int = 64) -> DataLoader:
+def loader(batch_size: int, n: int = 64, tensor_parallel_size: int = 1) -> DataLoader:
     """In order, split across ranks like a DistributedSampler without shuffling (pair with
-    ``use_distributed_sampler=False``), so 2 ranks x batch b see what one process sees with 2b."""
+    ``use_distributed_sampler=False``), so 2 ranks x batch b see what one process sees with 2b. The
+    ranks of one tensor-parallel group read the same batches."""
     dataset = token_dataset(n)
     world = _world()
     if world is not None:
         from torch.utils.data import DistributedSampler
 
-        sampler = DistributedSampler(dataset, num_replicas=world[1], rank=world[0], shuffle=False)
+        rank, size = world[0] // tensor_parallel_size, world[1] // tensor_parallel_size
+        sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 

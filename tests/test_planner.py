@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -543,6 +544,7 @@ def test_70b_on_256_gpus_recommends_tensor_parallelism_from_the_layout(capsys):
     )
     # The data-parallel traffic is the TP=2 group's half of the gradients over 128 ranks.
     assert result.communication.gradient_bytes == 35_000_000_000 * 4
+    assert result.communication.allreduce_seconds == pytest.approx(2 * 127 / 128 * 140e9 / 25e9)
 
 
 def test_70b_at_2048_tokens_needs_no_tensor_parallelism():
@@ -552,6 +554,16 @@ def test_70b_at_2048_tokens_needs_no_tensor_parallelism():
     assert result.recommended.activations == ACTS_70B_4096 // 2  # half the tokens
     (hsdp,) = [n for n in result.notes if "HSDP" in n]  # 16 x 70e9 / 8 = 140 GB over one node
     assert "ShardStrategy(stage=3, replicate_size=32) needs" in hsdp
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed installed")
+def test_with_deepspeed_the_layout_gives_no_mesh_flags():
+    result = plan(70e9, world_size=256, device_memory="80GB", seq_len=4096, layout=True, engine="deepspeed")
+    # DeepSpeed refuses tensor_parallel_size and replicate_size: the line stays data-parallel.
+    assert result.strategy == 'ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="full")'
+    assert all(o.row.unsupported for o in result.layout.options if o.tp > 1)
+    assert re.search(r"^8 +\d+ +\d+ +\d .* n/a ", result.table(), re.M)
+    assert any("replicate_size=32) is not available with the DeepSpeed engine" in n for n in result.notes)
 
 
 def test_hsdp_when_one_nodes_shard_group_still_fits(capsys):
@@ -570,6 +582,9 @@ def test_hsdp_when_one_nodes_shard_group_still_fits(capsys):
     # Planned for that mesh directly, the same row; the CLI takes the sizes too.
     fixed = plan(7e9, world_size=64, device_memory="80GB", replicate_size=8)
     assert fixed.recommended == result.recommended
+    # Traffic is counted over all 64 data-parallel ranks either way (as if flat).
+    assert fixed.communication == result.communication
+    assert result.communication.allreduce_seconds == pytest.approx(2 * 63 / 64 * 28e9 / 25e9)
     code, out, _ = _cli(capsys, "--params", "7e9", "--gpus", "64", "--gpu-mem", "80GB")
     assert code == 0 and "recommended: ShardStrategy(stage=2, replicate_size=8)  (40.7 GB" in out
     # Within one node there is nothing to replicate across.
@@ -631,8 +646,8 @@ def test_stage_auto_plans_for_the_strategys_own_mesh():
     from lightning_shard.engines import engine_class
     from lightning_shard.planner import auto_stage
 
-    def choose(**flags):
-        config = ShardConfig.from_flags(stage="auto", device_memory="1TB", **flags)
+    def choose(device_memory="1TB", **flags):
+        config = ShardConfig.from_flags(stage="auto", device_memory=device_memory, **flags)
         strategy = SimpleNamespace(
             config=config,
             lightning_module=tiny_gpt(),
@@ -659,6 +674,11 @@ def test_stage_auto_plans_for_the_strategys_own_mesh():
     assert hsdp.strategy_kwargs() == {"stage": 2, "replicate_size": 2, "tensor_parallel_size": 2}
     assert hsdp.recommended.optimizer == int(params / 2 * 8 / 2)
     assert [row.unsupported is not None for row in hsdp.stages] == [True, True, False, False]
+    # Memory where stage 0 fits with TP=2 (half the model per rank) but not without: the strategy's TP counts.
+    tp0 = plan(module=model, stage=0, **{**kwargs, "precision": "bf16-mixed", "tensor_parallel_size": 2})
+    memory = int(tp0.recommended.total / 0.9) + 1000
+    assert choose(device_memory=memory, tensor_parallel_size=2) == (0, None)
+    assert choose(device_memory=memory)[0] > 0
 
 
 def test_shape_inferred_from_a_parameter_count():

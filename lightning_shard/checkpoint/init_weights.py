@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 _log = logging.getLogger(__name__)
 _SHOWN = 5  # keys named per kind of mismatch in an error; the rest are counted
@@ -324,8 +324,9 @@ def _local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for placement in tensor.placements:
-        # A strided shard (FSDP over TP) or a partial sum is not one slice of the global tensor.
-        if type(placement) not in (Shard, Replicate):
+        # FSDP2's strided shard over a tensor-parallel split is still one slice (torch computes its offset);
+        # a partial sum is not.
+        if placement.is_partial():
             raise InitWeightsError(
                 f"init_weights supports DTensors placed by Shard and Replicate only, got {tensor.placements}."
             )

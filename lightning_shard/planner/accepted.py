@@ -1,8 +1,9 @@
 """The planner recommends only what ``ShardStrategy`` accepts: every candidate is checked by the strategy's rules.
 
-A candidate configuration (stage, offloads, recompute) is refused when ``ShardConfig.from_flags``
-refuses its flags (offload rules, DeepSpeed or libaio not installed, a missing NVMe directory) or
-when the engine those flags choose refuses the planned precision at that stage (DeepSpeed: no
+A candidate configuration (stage, offloads, recompute, ``replicate_size``, ``tensor_parallel_size``)
+is refused when ``ShardConfig.from_flags`` refuses its flags (offload rules, DeepSpeed or libaio not
+installed, a missing NVMe directory, HSDP below stage 2, TP with DeepSpeed or at stage 1) or when
+the engine those flags choose refuses the planned precision at that stage (DeepSpeed: no
 ``bf16-true``, no ``16-mixed`` at stage 0). The error message is kept as the row's reason, so the
 table says why (and what to install) instead of recommending something that fails at start-up.
 There is no second copy of those rules here: the planner and the strategy cannot disagree.

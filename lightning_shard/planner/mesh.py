@@ -12,7 +12,8 @@ not one of its flags. When the plan has a layout (``layout=True``, or the CLI be
   node and replicate across nodes: shard groups of S = gpus_per_node / t ranks and
   ``replicate_size = (W / t) / S``. Sharded state then divides by S instead of W / t, so the same
   configuration is weighed again with S as the divisor; if it no longer fits (or the strategy refuses
-  it) the line keeps ``replicate_size=1`` and a note says why.
+  it) the line keeps ``replicate_size=1`` and a note says why. So does a line that offloads: its host
+  memory (not checked) would grow by the same factor.
 
 Fixed sizes (``plan(tensor_parallel_size=..., replicate_size=...)``, as ``stage="auto"`` passes the
 strategy's own) are kept as given: :func:`fixed_setting` is the setting they describe.

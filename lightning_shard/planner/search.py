@@ -161,11 +161,8 @@ def plan(
         (0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing, replicas, tp
     )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
-    allowed = [
-        row
-        for row in rows
-        if (row.config.stage == stage if stage != "auto" else replicas == 1 or row.config.stage >= 2)
-    ]
+    # With replicate_size > 1 the strategy refuses stages 0-1 (their rows read n/a): never recommended.
+    allowed = [row for row in rows if stage == "auto" or row.config.stage == stage]
     if all(row.unsupported for row in allowed):
         # Explain with the closest miss: the highest stage, with no more offloads than the user asked for.
         closest = min(allowed, key=lambda row: (-row.config.stage, row.config.offloads))
@@ -182,7 +179,7 @@ def plan(
     comm = None
     if recommended is not None and world_size > 1:
         # Over every data-parallel rank, as if flat: HSDP's shard groups do not change it here.
-        data_parallel = replace(setting, world_size=world_size)
+        data_parallel = replace(setting, world_size=world_size // (setting.tp * setting.pp))
         comm = communication(data_parallel, recommended.config.stage, bw)
     notes = _notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check) + mesh_notes
     return Plan(
