@@ -378,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=2, help="micro-batch per rank")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per layout, interleaved")
+    parser.add_argument("--rounds", type=int, default=5, help="runs per layout, interleaved")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (the first two are not timed)")
     parser.add_argument(
         "--smoke",

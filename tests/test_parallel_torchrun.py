@@ -24,7 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "hsdp_job.py"
 TIMEOUT = 300
 # Set by an enclosing launcher; torchrun sets its workers' own.
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _start(node_rank: int, port: int, out: Path, log: Path) -> subprocess.Popen:

@@ -137,6 +137,9 @@ def resolve_plan(model: nn.Module, plan: PlanSpec | None, tp_size: int) -> dict[
             if isinstance(style, str):
                 _check_divisible(model, name, module, style, tp_size)
             resolved[name] = style
+    sequence = [name for name, style in resolved.items() if style == "sequence"]
+    if sequence:
+        _sequence_region(model, sequence)  # the split sequence must enter and leave at block boundaries
     return resolved
 
 
