@@ -85,15 +85,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Local bytes of ``tensors``, each storage once."""
-    seen: set[int] = set()
+    """Local bytes of ``tensors``, each counted once (views into one buffer, e.g. FSDP's reduce-scatter
+    output holding several gradients, count each of their own parts)."""
+    seen: set[tuple[int, int]] = set()
     total = 0
     for t in tensors:
         local = _local(t)
-        ptr = local.untyped_storage().data_ptr()
-        if local.numel() and ptr in seen:
+        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        if local.numel() and key in seen:
             continue
-        seen.add(ptr)
+        seen.add(key)
         total += local.numel() * local.element_size()
     return total
 
@@ -331,10 +332,10 @@ def _mib(n: float) -> str:
 
 def print_table(world_size: int, summary: dict[str, Any]) -> None:
     print(
-        f"\n== {world_size} ranks (replicate x shard x tp); bytes per rank in MiB (rank 0; max over ranks) =="
+        f"\n== {world_size} ranks, mesh replicate x shard x tp; MiB on the rank holding most; rank 0's step time =="
     )
     header = (
-        f"{'layout':8} {'mesh':7} {'split params':>13} {'split optim':>12} {'state total':>12}"
+        f"{'layout':8} {'mesh':7} {'split params':>13} {'split grads':>12} {'split optim':>12} {'state total':>12}"
         f" {'act saved':>10} {'act prof':>9} {'step ms':>8} {'tok/s':>8}"
     )
     print(header)
@@ -344,10 +345,15 @@ def print_table(world_size: int, summary: dict[str, Any]) -> None:
         sl, act = e["split_layers"], e["block_activation_bytes"]
         print(
             f"{name:8} {m['replicate']}x{m['shard']}x{m['tp']:<3} {_mib(max(sl['parameters'])):>13}"
+            f" {_mib(max(sl['gradients'])):>12}"
             f" {_mib(max(sl['optimizer'])):>12} {_mib(max(s['total'] for s in e['state_bytes'])):>12}"
             f" {_mib(max(act['saved'])):>10} {_mib(max(act['allocated_profiler'])):>9}"
             f" {e['median_step_ms']:8.1f} {e['tokens_per_s']:8.0f}"
         )
+    print(
+        "act saved: tensors the blocks' forward saves for backward; act prof: bytes it leaves allocated"
+        " (torch.profiler), high where collectives free buffers on threads the profiler does not see"
+    )
     for name, r in summary["ratios_vs_reference"].items():
         print(
             f"{name} / {summary['reference']}: split params {max(r['split_parameters']):.4f},"

@@ -6,6 +6,7 @@ single-process run micro-batch by micro-batch (fp32, SGD and AdamW, accumulation
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -62,8 +63,9 @@ class Layouts(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
 
+        model: Any = pl_module.model
         for name in PROBES:
-            weight = pl_module.model.get_submodule(name).weight
+            weight: Any = model.get_submodule(name).weight
             is_dtensor = isinstance(weight, DTensor)
             self.found[name] = {
                 "dtensor": is_dtensor,
@@ -78,12 +80,14 @@ def _loader(batch_size: int, rank: int, world: int) -> DataLoader:
     dataset = token_dataset()
     if world == 1:
         return DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    sampler = DistributedSampler(dataset, num_replicas=world // TP, rank=rank // TP, shuffle=False)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=world // TP, rank=rank // TP, shuffle=False
+    )
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
 def _fit(
-    devices: int, strategy: Any, optimizer: str, rank: int = 0, callbacks: list[L.Callback] = ()
+    devices: int, strategy: Any, optimizer: str, rank: int = 0, callbacks: Sequence[L.Callback] = ()
 ) -> list[float]:
     recorder = LossRecorder()
     trainer = L.Trainer(

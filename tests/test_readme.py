@@ -114,6 +114,48 @@ def test_every_stage_config_parses():
         assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.stage == stage
 
 
+def test_tensor_parallel_config_parses():
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_shard import ShardStrategy
+    from lightning_shard.demos import GPTModule, TextDataModule
+
+    cli = LightningCLI(
+        GPTModule,
+        TextDataModule,
+        run=False,
+        args=["--config", str(ROOT / "configs/tp2_zero3.yaml"), "--trainer.logger=false"],
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ShardStrategy)
+    assert strategy.config.tensor_parallel_size == 2 and strategy.layout.shard == 2
+
+
+@pytest.mark.multirank
+def test_more_than_one_dimension_command_runs(tmp_path):
+    section = README.split("## More than one dimension", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in section.splitlines() if line.startswith("python examples/")]
+    assert commands == ["python examples/train_gpt.py fit --config configs/tp2_zero3.yaml"]
+    for name in ("examples", "configs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    overrides = ["--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.n_layers=2"]
+    overrides += ["--data.n_sentences=400"]
+    run = subprocess.run(
+        [sys.executable, *shlex.split(commands[0])[1:], *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (tmp_path / "outputs/tp2_zero3/checkpoints/last.ckpt/.metadata").is_file()
+
+
 def test_plan_commands_in_readme_run(capsys):
     from lightning_shard.cli import main
 

@@ -38,10 +38,10 @@ class MeshFacts(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
 
-        strategy = trainer.strategy
-        mesh = strategy.device_mesh  # type: ignore[attr-defined]
+        strategy: Any = trainer.strategy
+        mesh = strategy.device_mesh
         names = list(mesh.mesh_dim_names or ())
-        param = next(pl_module.parameters())
+        param: Any = next(pl_module.parameters())
         is_dtensor = isinstance(param, DTensor)
         mine = {
             "rank": dist.get_rank(),
@@ -70,7 +70,9 @@ def main(argv: list[str]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dataset = token_dataset()
     # R=2 x S=2 x T=1: every rank is its own data-parallel rank.
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=False
+    )
     data = DataLoader(dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
     recorder, facts = LossRecorder(), MeshFacts()
