@@ -9,7 +9,8 @@ The demo GPT at ZeRO stage 3 on W CPU ranks (gloo), laid out as ``replicate x sh
     tp         1 x W/2 x 2   the same plan without its two "sequence" entries
 
 ``hsdp`` is the reference for the tensor-parallel layouts: it shards the parameters over the same
-number of ranks (W/2), so what ``tp_sp`` and ``tp`` change is the tensor-parallel split alone. Every
+number of ranks (W/2; on 2 ranks that is 1: ``hsdp`` is then plain replication), so what ``tp_sp`` and
+``tp`` change is the tensor-parallel split alone. Every
 rank runs the same micro-batch; the two ranks of a tensor-parallel group read the same one, so the
 tensor-parallel layouts take half as many tokens per step (tokens/s is reported beside step time).
 
@@ -58,8 +59,7 @@ SPLIT_PLAN = NO_SEQUENCE_PLAN
 REFERENCE = "hsdp"
 HALF_TOLERANCE = 0.05  # ratio within 0.5 x (1 +/- 5%)
 MIN_SP_ACTIVATION_REDUCTION = 0.35
-WARMUP_STEPS = 1  # not timed: allocator, gloo buffers, lazy init
-MEASURE_STEP = 1  # not timed: the step whose block activations are measured
+MEASURE_STEP = 1  # step 0 warms up (allocator, gloo buffers), step 1 is measured: neither is timed
 
 
 def layouts(world_size: int) -> dict[str, dict[str, Any]]:
@@ -81,7 +81,12 @@ def mesh_of(flags: dict[str, Any], world_size: int) -> dict[str, int]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's part: a DTensor's local tensor, else the tensor (no autograd node: also used while
+    saved-tensor hooks run)."""
+    if not hasattr(t, "to_local"):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
@@ -232,7 +237,7 @@ def _fit(flags: dict[str, Any], cfg: dict[str, Any], world_size: int) -> dict[st
         max_steps=cfg["steps"],
     )
     trainer.fit(model, _loader(cfg, world_size))
-    timed = probe.timer.times[max(WARMUP_STEPS, MEASURE_STEP + 1) :]
+    timed = probe.timer.times[MEASURE_STEP + 1 :]
     return {**probe.result, "step_s": statistics.median(timed), "steps_timed": len(timed)}
 
 

@@ -988,3 +988,20 @@ def test_other_raises():
     empty = dataclasses.replace(plan(1e9, device_memory="8GB"), recommended=None)
     with pytest.raises(RuntimeError, match="no runnable configuration"):
         _ = empty.stage
+
+
+def test_layout_never_splits_attention_heads_unevenly():
+    # 71 heads (given, not inferred): no tensor-parallel degree > 1 divides them, as ShardStrategy requires.
+    result = plan(
+        70e9,
+        world_size=256,
+        device_memory="80GB",
+        gpus_per_node=8,
+        seq_len=4096,
+        layers=71,
+        hidden=9088,
+        heads=71,
+        layout=True,
+    )
+    assert [o.tp for o in result.layout.options] == [1]
+    assert "tensor_parallel_size" not in result.strategy_kwargs()

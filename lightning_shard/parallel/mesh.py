@@ -8,6 +8,7 @@ the mesh stays one dimension named ``"dp"``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,19 +75,29 @@ def tensor_parallel_mesh(mesh: Any) -> Any | None:
     return mesh["tp"]
 
 
-def check_world(world_size: int, replicate_size: int, tensor_parallel_size: int) -> None:
-    """Both sizes must divide the world: ``W = replicate_size x shard x tensor_parallel_size``."""
+def check_world(
+    world_size: int,
+    replicate_size: int,
+    tensor_parallel_size: int,
+    flag: Callable[[str, int], str] = lambda name, value: f"ShardStrategy({name}={value})",
+    world: str = "the world size",
+    error: type[ValueError] = ValueError,
+) -> None:
+    """Both sizes must divide the world: ``W = replicate_size x shard x tensor_parallel_size``.
+
+    ``flag`` spells a flag as the caller's user typed it (the strategy's, the planner's, the CLI's).
+    """
     if world_size % tensor_parallel_size:
-        raise ValueError(
-            f"ShardStrategy(tensor_parallel_size={tensor_parallel_size}) does not divide the world size"
-            f" {world_size} (devices x nodes). Use a tensor_parallel_size that divides {world_size}, e.g. the"
-            " number of devices of one node or a divisor of it."
+        raise error(
+            f"{flag('tensor_parallel_size', tensor_parallel_size)} does not divide {world} {world_size}."
+            f" Use a tensor_parallel_size that divides {world_size}, e.g. the number of devices of one node or"
+            " a divisor of it."
         )
     if (world_size // tensor_parallel_size) % replicate_size:
         rest = world_size // tensor_parallel_size
-        raise ValueError(
-            f"ShardStrategy(replicate_size={replicate_size}) does not divide the {rest} data-parallel ranks"
-            f" (world size {world_size} / tensor_parallel_size={tensor_parallel_size}). Use a replicate_size"
+        raise error(
+            f"{flag('replicate_size', replicate_size)} does not divide the {rest} data-parallel ranks"
+            f" ({world} {world_size} / tensor_parallel_size {tensor_parallel_size}). Use a replicate_size"
             f" that divides {rest}, typically the number of nodes."
         )
 

@@ -138,7 +138,10 @@ def suggest_layout(
     per_tp: list[LayoutOption] = []
     without_pp: list[LayoutOption] = []
     tp = 1
-    while tp <= min(gpus_per_node, s.shape.heads or 1) and world % tp == 0:
+    heads = s.shape.heads or 1
+    while tp <= min(gpus_per_node, heads) and world % tp == 0:
+        if heads % tp and not s.shape.inferred:  # ShardStrategy refuses a split that cuts attention heads
+            break
         options = []
         for pp in (d for d in _divisors(world // tp) if d <= layers):
             setting = replace(s, world_size=world // (tp * pp), tp=tp, pp=pp)

@@ -30,27 +30,14 @@ from lightning_shard.planner.units import PlanInputError, format_bytes
 
 
 def check_sizes(world_size: int, tensor_parallel_size: int, replicate_size: int, cli: bool = False) -> None:
-    """Both sizes must divide the world: ``W = replicate_size x shard x tensor_parallel_size``.
-
-    The error names the flags as ``plan(...)`` takes them, or as the CLI does (``cli=True``).
-    """
+    """Both sizes must divide the world (the strategy's rule), named as ``plan(...)`` or the CLI takes them."""
+    from lightning_shard.parallel.mesh import check_world
 
     def flag(name: str, value: int) -> str:
         return f"--{name.replace('_', '-')} {value}" if cli else f"plan({name}={value})"
 
     world = "the world size" if cli else "world_size"
-    if world_size % tensor_parallel_size:
-        raise PlanInputError(
-            f"{flag('tensor_parallel_size', tensor_parallel_size)} does not divide {world} {world_size}."
-            " Use a divisor of it, e.g. the devices of one node."
-        )
-    if (world_size // tensor_parallel_size) % replicate_size:
-        ranks = world_size // tensor_parallel_size
-        raise PlanInputError(
-            f"{flag('replicate_size', replicate_size)} does not divide the {ranks} data-parallel ranks"
-            f" ({world} {world_size} / tensor_parallel_size {tensor_parallel_size}). Use a divisor of"
-            f" {ranks}, typically the number of nodes."
-        )
+    check_world(world_size, replicate_size, tensor_parallel_size, flag, world, PlanInputError)
 
 
 def fixed_setting(s: Setting, tensor_parallel_size: int, replicate_size: int) -> Setting:
