@@ -103,8 +103,17 @@ def _fit(
     return recorder.losses, trainer
 
 
+# AdamW is insensitive to a gradient's scale; it checks the sharded optimizer state on each kind of mesh.
+ADAMW_LAYOUTS = (
+    "tp2 x shard2, stage 3 (sequence parallel)",
+    "replicate2 x shard2, stage 3 (HSDP)",
+    "dp2 x tp2, stage 0",
+)
+
+
 def _layout_matrix(optimizer: str) -> dict[str, list[float]]:
-    return {name: _fit(flags, optimizer)[0] for name, flags in LAYOUTS.items()}
+    names = LAYOUTS if optimizer == "sgd" else ADAMW_LAYOUTS
+    return {name: _fit(LAYOUTS[name], optimizer)[0] for name in names}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
