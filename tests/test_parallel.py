@@ -31,8 +31,14 @@ def test_layout_orders_tp_innermost_then_shard_then_replicate():
         (dict(stage=1, replicate_size=2), "need stage 2 or 3"),
         (dict(stage=0, replicate_size=2), "need stage 2 or 3"),
         (dict(stage=1, tensor_parallel_size=2), "Use stage=2"),
-        (dict(engine="deepspeed", tensor_parallel_size=2), "Use engine='fsdp'"),
-        (dict(stage=3, offload_optimizer="nvme", nvme_path="/tmp", replicate_size=2), "Use engine='fsdp'"),
+        pytest.param(
+            dict(engine="deepspeed", tensor_parallel_size=2), "Use engine='fsdp'", marks=pytest.mark.deepspeed
+        ),
+        pytest.param(
+            dict(stage=3, offload_optimizer="nvme", nvme_path="/tmp", replicate_size=2),
+            "Use engine='fsdp'",
+            marks=pytest.mark.deepspeed,
+        ),
         (dict(tensor_parallel_plan={"blocks.*.qkv": "colwise"}), "only used with tensor_parallel_size > 1"),
         (
             dict(tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.qkv": "diagonal"}),
@@ -141,3 +147,18 @@ def test_clip_counts_each_element_once_across_copies_and_shards():
     norm = clip_grad_norm_([p], max_norm=1.0)
     assert norm.item() == pytest.approx(5.0)
     torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8, 0.0]), rtol=1e-5, atol=1e-6)
+
+
+def test_hugging_face_vocabulary_ends_stay_whole():
+    # Some transformers releases split the embedding ("embedding_rowwise") or gather the head's output;
+    # those ends stay whole here (often tied to each other) and the layers between are split.
+    transformers = pytest.importorskip("transformers")
+    config = tiny_llama_config(num_attention_heads=4, num_key_value_heads=2)
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    holder = nn.Module()
+    holder.model = transformers.LlamaForCausalLM(config)
+    plan, _ = carried_plan(holder)  # type: ignore[misc]
+    assert "model.model.embed_tokens" not in plan and "model.model.layers.*.mlp.up_proj" in plan
+    config.base_model_tp_plan = {"layers.*.mlp.up_proj": "local_colwise"}
+    with pytest.raises(ValueError, match="carries the style 'local_colwise'.*Pass tensor_parallel_plan="):
+        carried_plan(holder)

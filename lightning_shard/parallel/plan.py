@@ -15,15 +15,21 @@ any of its modules (the demo GPT has one), or a Hugging Face model's ``config.ba
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 STYLES = ("colwise", "rowwise", "sequence")
 # Hugging Face plan styles with a direct torch equivalent (others are refused by name).
 _HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "sequence_parallel": "sequence"}
+# Hugging Face styles for the vocabulary ends (embedding, language-model head): those stay whole here, as
+# they are often tied to each other; the layers in between are split.
+_HF_KEEP_WHOLE = ("embedding_rowwise", "colwise_gather_output", "colwise_rep", "rowwise_rep", "gather_output")
 # Wrappers that insert a name component without changing what the model is.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 _HEAD_ATTRS = ("n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
@@ -84,6 +90,14 @@ def carried_plan(model: nn.Module) -> tuple[dict[str, Any], str] | None:
             where = f"{type(module).__name__}.config.base_model_tp_plan"
             styles: dict[str, Any] = {}
             for pattern, style in hf_plan.items():
+                if style in _HF_KEEP_WHOLE:
+                    log.info(
+                        "ShardStrategy: %s (%r in %s) stays whole on every tensor-parallel rank.",
+                        pattern,
+                        style,
+                        where,
+                    )
+                    continue
                 if style not in _HF_STYLES:
                     raise ValueError(
                         f"ShardStrategy(tensor_parallel_plan=None): the plan {where} carries the style {style!r}"
