@@ -241,6 +241,8 @@ def _with_the_rest(weights: str) -> dict[str, Any]:
     out["meta_shards_differ"] = not torch.equal(gathered[0], gathered[2])
     # The rest of the lifecycle on the same mesh: validate after fit.
     out["validate"] = trainer.validate(meta_model, loader(4, tensor_parallel_size=2), verbose=False)
+    # Mixed precision on the same mesh: FSDP2 computes in bf16 over split layers, fp32 master weights.
+    out["bf16"] = _fit(TP2_SHARD2, "sgd", precision="bf16-mixed")[0]
     # A NaN loss on one rank: every rank skips that step together.
     nan_model = EvalGPT(nan_at=(1, 1))
     losses, trainer = _fit(dict(TP2_SHARD2, skip_nonfinite=True), "sgd", accumulate=1, model=nan_model)
@@ -258,6 +260,9 @@ def test_the_rest_of_the_strategy_on_a_tp_mesh(tmp_path):
         torch.testing.assert_close(
             first[name], expected, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
+    # bf16 compute: close to the fp32 trajectory, not equal to it (it did run in bf16).
+    torch.testing.assert_close(first["bf16"], expected, rtol=2e-2, atol=0)
+    assert first["bf16"] != expected
     for held in results:
         assert all(held["meta_copies_equal"]) and held["meta_shards_differ"]
         # GPT-2's init, per shard: the first loss is where the reference's (same init scheme) starts.
