@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPT, GPTModule
 from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.memory import local_tensor, tensor_bytes
 from lightning_shard.parallel import resolve_plan
 
 VOCAB = 256
@@ -80,30 +81,6 @@ def mesh_of(flags: dict[str, Any], world_size: int) -> dict[str, int]:
 # --- measurements ---------------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part: a DTensor's local tensor, else the tensor (no autograd node: also used while
-    saved-tensor hooks run)."""
-    if not hasattr(t, "to_local"):
-        return t
-    with torch.no_grad():
-        return t.to_local()
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Local bytes of ``tensors``, each counted once (views into one buffer, e.g. FSDP's reduce-scatter
-    output holding several gradients, count each of their own parts)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for t in tensors:
-        local = _local(t)
-        key = (local.untyped_storage().data_ptr(), local.storage_offset())
-        if local.numel() and key in seen:
-            continue
-        seen.add(key)
-        total += local.numel() * local.element_size()
-    return total
-
-
 def split_layer_bytes(gpt: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's bytes of the split layers' parameters, gradients and optimizer state."""
     names = resolve_plan(gpt, SPLIT_PLAN, 1)
@@ -116,9 +93,9 @@ def split_layer_bytes(gpt: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         if torch.is_tensor(v) and v.dim() > 0  # AdamW's step counter is a scalar
     ]
     return {
-        "parameters": _bytes(params),
-        "gradients": _bytes([p.grad for p in params if p.grad is not None]),
-        "optimizer": _bytes(state),
+        "parameters": tensor_bytes(params),
+        "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": tensor_bytes(state),
         "modules": len(names),
     }
 
@@ -143,10 +120,10 @@ class BlockActivations:
 
     def _param_ptrs(self) -> set[int]:
         # During forward FSDP registers the unsharded parameters on the modules: these are what ops save.
-        return {_local(p).untyped_storage().data_ptr() for p in self.blocks.parameters()}
+        return {local_tensor(p).untyped_storage().data_ptr() for p in self.blocks.parameters()}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = _local(t)
+        local = local_tensor(t)
         storage = local.untyped_storage()
         ptr = storage.data_ptr()
         if storage.nbytes() and ptr not in self.saved and ptr not in self._param_ptrs():
@@ -166,7 +143,7 @@ class BlockActivations:
         for handle in self._handles:
             handle.remove()
         net = sum(event.self_cpu_memory_usage for event in self._profiler.events())
-        out = _local(output)
+        out = local_tensor(output)
         self.allocated = net - out.numel() * out.element_size()
         self._profiler = None
 

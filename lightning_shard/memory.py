@@ -33,8 +33,18 @@ class StateBytes:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself (no autograd
+    node is recorded: also usable while saved-tensor hooks run)."""
+    if not hasattr(tensor, "to_local"):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """This rank's bytes of ``tensors``, each counted once (views into one buffer, e.g. FSDP2's
+    reduce-scatter output holding several gradients, count their own parts)."""
+    return _count(tensors, set())
 
 
 def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> int:

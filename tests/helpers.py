@@ -138,3 +138,61 @@ def tiny_llama_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
         tie_word_embeddings=True,
     )
     return transformers.LlamaConfig(**(kwargs | overrides))
+
+
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM held as ``self.model`` (its file keys lack the ``model.`` prefix), trained
+    with plain SGD (lr 0.5, gradient-scale sensitive) or AdamW; built in ``configure_model`` on request."""
+
+    def __init__(self, config: Any, optimizer: str = "sgd", build_in_configure_model: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        self.config, self.optimizer_name = config, optimizer
+        self.model: Any = None if build_in_configure_model else transformers.LlamaForCausalLM(config)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            import transformers
+
+            self.model = transformers.LlamaForCausalLM(self.config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def job_env(pythonpath: bool = True) -> dict[str, str]:
+    """The environment for a job a test starts as a user would: one thread per rank, no inherited rank
+    variables, and (``pythonpath=False``) the package from its installation rather than the checkout."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not pythonpath:
+        env.pop("PYTHONPATH", None)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 400) -> Any:
+    """Run ``benchmarks/<script>`` with ``args`` from the repository root; the completed process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, str(root / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=job_env(),
+        cwd=root,
+    )

@@ -4,12 +4,11 @@ bytes targets hold (they are deterministic; step times are only checked to exist
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,25 +19,11 @@ MESHES = {
 }
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_layouts.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bench_layouts_smoke(tmp_path, world_size):
     out = tmp_path / "layouts.json"
-    run = _run("--smoke", "--world-sizes", str(world_size), "--out", str(out))
+    run = run_benchmark("bench_layouts.py", "--smoke", "--world-sizes", str(world_size), "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASS  sp_block_activation_reduction" in run.stdout
     report = json.loads(out.read_text())

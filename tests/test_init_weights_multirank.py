@@ -13,36 +13,13 @@ import torch
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import SEQ, LossRecorder, loader, tiny_llama_config, trainer_kwargs
+from tests.helpers import SEQ, CausalLM, LossRecorder, loader, tiny_llama_config, trainer_kwargs
 
 transformers = pytest.importorskip("transformers")
 
 
 def _config() -> Any:
     return tiny_llama_config(max_position_embeddings=SEQ)
-
-
-class CausalLM(L.LightningModule):
-    """A Hugging Face model held as ``self.model``: its file keys lack the ``model.`` prefix."""
-
-    def __init__(self, optimizer: str = "sgd", build_in_configure_model: bool = False) -> None:
-        super().__init__()
-        self.optimizer_name = optimizer
-        self.model: Any = None if build_in_configure_model else transformers.LlamaForCausalLM(_config())
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = transformers.LlamaForCausalLM(_config())
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(input_ids=x).logits
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.5)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def _pretrained(root: Path) -> Path:
@@ -64,10 +41,10 @@ def _finetune(
         devices=devices, strategy=strategy, callbacks=[recorder], **trainer_kwargs(max_steps=4)
     )
     if configure_model:
-        model = CausalLM(optimizer, build_in_configure_model=True)
+        model = CausalLM(_config(), optimizer, build_in_configure_model=True)
     else:
         with trainer.init_module(empty_init=devices > 1):
-            model = CausalLM(optimizer)
+            model = CausalLM(_config(), optimizer)
         if devices == 1:  # the reference: the whole model, loaded the way users do without sharding
             model.model.load_state_dict(transformers.LlamaForCausalLM.from_pretrained(path).state_dict())
     trainer.fit(model, loader(8 // devices))

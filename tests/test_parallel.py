@@ -104,6 +104,7 @@ def test_hugging_face_plan_is_found_and_anchored_at_the_base_model():
     holder.model = transformers.LlamaForCausalLM(
         tiny_llama_config(num_attention_heads=4, num_key_value_heads=2)
     )
+    holder.config = holder.model.config  # a LightningModule that keeps the config is not the model
     plan, where = carried_plan(holder)  # type: ignore[misc]
     assert where == "LlamaForCausalLM.config.base_model_tp_plan"
     assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"

@@ -5,19 +5,16 @@ single-process run micro-batch by micro-batch (fp32, SGD and AdamW, accumulation
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import SEQ, LossRecorder, tiny_llama_config, token_dataset, trainer_kwargs
-from tests.test_parity_multirank import SGD_LR
+from tests.helpers import SEQ, CausalLM, LossRecorder, loader, tiny_llama_config, trainer_kwargs
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,29 +26,7 @@ GLOBAL_BATCH = 8
 # 0.538): a clip at 0.53 cuts the first and not the second, so a gradient or a norm off by a factor
 # moves the losses (the parity tests' 0.6 would never cut here).
 CLIP = 0.53
-ADAMW_LR = 1e-2
 PROBES = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.embed_tokens")
-
-
-class CausalLM(L.LightningModule):
-    """A tiny Llama held as ``self.model`` (the tensor-parallel plan lives on ``self.model.config``)."""
-
-    def __init__(self, optimizer: str) -> None:
-        super().__init__()
-        self.optimizer_name = optimizer
-        torch.manual_seed(0)
-        # 4 query / 2 key-value heads and hidden size 32: whole heads on each of 2 tensor-parallel ranks.
-        self.model = transformers.LlamaForCausalLM(tiny_llama_config(max_position_embeddings=SEQ))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(input_ids=x).logits
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=SGD_LR)
-        return torch.optim.AdamW(self.parameters(), lr=ADAMW_LR)
 
 
 class Layouts(L.Callback):
@@ -75,20 +50,7 @@ class Layouts(L.Callback):
             }
 
 
-def _loader(batch_size: int, rank: int, world: int) -> DataLoader:
-    """In order; the ranks of one tensor-parallel group (consecutive ranks) read the same batches."""
-    dataset = token_dataset()
-    if world == 1:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset, num_replicas=world // TP, rank=rank // TP, shuffle=False
-    )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-def _fit(
-    devices: int, strategy: Any, optimizer: str, rank: int = 0, callbacks: Sequence[L.Callback] = ()
-) -> list[float]:
+def _fit(devices: int, strategy: Any, optimizer: str, callbacks: Sequence[L.Callback] = ()) -> list[float]:
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=devices,
@@ -99,18 +61,18 @@ def _fit(
         ),
     )
     data_parallel = devices // TP if devices > 1 else 1
-    trainer.fit(CausalLM(optimizer), _loader(GLOBAL_BATCH // data_parallel, rank, devices))
+    torch.manual_seed(0)
+    model = CausalLM(tiny_llama_config(max_position_embeddings=SEQ), optimizer)
+    trainer.fit(model, loader(GLOBAL_BATCH // data_parallel, tensor_parallel_size=TP if devices > 1 else 1))
     return recorder.losses
 
 
 def _tensor_parallel() -> dict[str, Any]:
-    # Read before the first fit: Lightning's environment removes WORLD_SIZE at teardown.
-    rank = int(os.environ["RANK"])
     out: dict[str, Any] = {}
     for optimizer in ("sgd", "adamw"):
         layouts = Layouts()
         strategy = ShardStrategy(stage=3, tensor_parallel_size=TP)
-        out[optimizer] = _fit(WORLD, strategy, optimizer, rank, [layouts])
+        out[optimizer] = _fit(WORLD, strategy, optimizer, [layouts])
         out[f"{optimizer}-layouts"] = layouts.found
     return out
 

@@ -132,23 +132,16 @@ def _what_each_rank_holds() -> dict[str, Any]:
 
     _, trainer = _fit(dict(stage=3, tensor_parallel_size=2), "sgd", callbacks=[MFUMonitor()])
     gpt = trainer.lightning_module.model
-    qkv, emb = gpt.blocks[0].attn.qkv.weight, gpt.tok_emb.weight
-    assert isinstance(qkv, DTensor) and isinstance(emb, DTensor)
-    # Copies of the embedding shard (one per tensor-parallel rank) must be equal.
-    trainer.strategy.reconnect()
-    local = emb.to_local().detach().clone()
-    gathered = [torch.empty_like(local) for _ in range(WORLD)]
-    dist.all_gather(gathered, local)
+    qkv = gpt.blocks[0].attn.qkv.weight
+    assert isinstance(qkv, DTensor) and isinstance(gpt.tok_emb.weight, DTensor)
     _, one = _fit(dict(stage=3), "sgd", callbacks=[MFUMonitor()])
     return {
         "qkv_local": tuple(qkv.to_local().shape),
         "qkv_full": tuple(qkv.shape),
         "qkv_mesh": qkv.device_mesh.mesh_dim_names,
-        "emb_copies_equal": [torch.equal(gathered[r], gathered[r ^ 1]) for r in range(WORLD)],
         "sampler": trainer.strategy.distributed_sampler_kwargs,
         "flops_tp2": trainer.callbacks[1].counted["model_flops"],
         "flops_tp1": one.callbacks[1].counted["model_flops"],
-        "state": trainer.strategy.state_bytes(),
     }
 
 
@@ -158,7 +151,6 @@ def test_each_rank_holds_a_quarter_and_counts_its_own_flops():
         # qkv (96 x 32): split by heads over tp (48 rows), then FSDP2 over shard: 24 x 32 per rank.
         assert held["qkv_full"] == (96, 32) and held["qkv_local"] == (24, 32)
         assert held["qkv_mesh"] == ("shard", "tp")
-        assert all(held["emb_copies_equal"])
         assert held["sampler"] == {"num_replicas": 2, "rank": rank // 2}
         # Each rank computes half of the split layers' work on twice the batch of the T=1 run (4 dp ranks).
         assert held["flops_tp2"] < 2 * held["flops_tp1"]

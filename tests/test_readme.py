@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -52,32 +53,33 @@ def test_extras_named_in_the_readme_exist():
     assert "deepspeed" not in extras["dev"]  # it needs torch installed before it builds
 
 
-@pytest.mark.multirank
-def test_main_job_and_consolidate(tmp_path):
+def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> None:
+    """Run a README ``python examples/train_gpt.py ...`` command from ``tmp_path``, shortened, as a user would:
+    no PYTHONPATH, so the demo model comes from the installed package."""
     for name in ("examples", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
-    argv = _python_part(_quickstart_commands()[0])
-    assert argv[:2] == ["python", "examples/train_gpt.py"]
-    # No PYTHONPATH: the demo model comes from the installed package, as it does for a user.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     overrides = [
-        "--trainer.max_steps=4",
+        f"--trainer.max_steps={max_steps}",
         "--trainer.enable_progress_bar=false",
         "--model.n_layers=2",
-        "--data.n_sentences=400",
     ]
     run = subprocess.run(
-        [sys.executable, *argv[1:], *overrides],
+        [sys.executable, *argv[1:], *overrides, "--data.n_sentences=400"],
         cwd=tmp_path,
-        env=env,
+        env=job_env(pythonpath=False),
         capture_output=True,
         text=True,
         timeout=400,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_main_job_and_consolidate(tmp_path):
+    argv = _python_part(_quickstart_commands()[0])
+    assert argv[:2] == ["python", "examples/train_gpt.py"]
+    _train_gpt(tmp_path, argv, max_steps=4)
+    env = job_env(pythonpath=False)
     last = tmp_path / "outputs/zero3/checkpoints/last.ckpt"
     assert (last / ".metadata").is_file()
 
@@ -136,23 +138,7 @@ def test_more_than_one_dimension_command_runs(tmp_path):
     section = README.split("## More than one dimension", 1)[1].split("\n## ", 1)[0]
     commands = [line for line in section.splitlines() if line.startswith("python examples/")]
     assert commands == ["python examples/train_gpt.py fit --config configs/tp2_zero3.yaml"]
-    for name in ("examples", "configs"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    overrides = ["--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.n_layers=2"]
-    overrides += ["--data.n_sentences=400"]
-    run = subprocess.run(
-        [sys.executable, *shlex.split(commands[0])[1:], *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _train_gpt(tmp_path, shlex.split(commands[0]), max_steps=2)
     assert (tmp_path / "outputs/tp2_zero3/checkpoints/last.ckpt/.metadata").is_file()
 
 
@@ -177,10 +163,7 @@ def test_finetune_a_model_bigger_than_one_device_commands_run(tmp_path):
     ]
     assert [shlex.split(c)[:2] for c in commands] == [["python", "examples/finetune_hf.py"]] * 2
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = job_env(pythonpath=False)
     for command in commands:
         argv = shlex.split(command)
         if "--max-steps" in argv:

@@ -28,15 +28,8 @@ def _shards(tensor: Tensor) -> int:
     return count
 
 
-def grad_norm(
-    parameters: Iterable[Tensor], norm_type: float = 2.0, device: torch.device | None = None
-) -> Tensor:
-    """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters;
-    ``device`` is where the all-reduce runs when this rank holds no gradient)."""
-    if norm_type != 2.0:
-        raise ValueError(
-            f"Gradient clipping over a tensor-parallel mesh supports the 2-norm only (got {norm_type})."
-        )
+def grad_norm(parameters: Iterable[Tensor]) -> Tensor:
+    """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters)."""
     from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -48,25 +41,26 @@ def grad_norm(
         local = g.to_local() if isinstance(g, DTensor) else g
         squares = local.detach().double().pow(2).sum() * (_shards(g) / world)
         total = squares if total is None else total + squares.to(total.device)
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64, device=device)
+    if total is None:  # no gradient here: still join the all-reduce, on the device the backend uses
+        nccl = world > 1 and dist.get_backend() == "nccl"
+        total = torch.zeros((), dtype=torch.float64, device="cuda" if nccl else "cpu")
     if world > 1:
         dist.all_reduce(total)
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before."""
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale gradients in place so their global 2-norm is at most ``max_norm``; returns the norm before."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, norm_type)
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    norm = grad_norm(params)
+    # A 0-dim float32 factor: multiplies gradients of any dtype in place, on any device, without a sync.
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
     for p in params:
         g = p.grad
         assert g is not None
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coefficient)
     return norm.float()
 
 

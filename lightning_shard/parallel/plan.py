@@ -76,15 +76,14 @@ def _pattern(pattern: str, anchored: bool) -> re.Pattern[str]:
 def carried_plan(model: nn.Module) -> tuple[dict[str, Any], str] | None:
     """The plan the model carries, with patterns anchored at ``model``, and where it was found."""
     for name, module in model.named_modules():
-        own = getattr(type(module), "tensor_parallel_plan", None)
-        own = getattr(module, "tensor_parallel_plan", own)
+        own = getattr(module, "tensor_parallel_plan", None)  # a class or an instance attribute
         prefix = clean_name(name)
         if isinstance(own, Mapping) and own:
             return _prefixed(own, prefix), f"{type(module).__name__}.tensor_parallel_plan"
-        config = getattr(module, "config", None)
-        hf_plan = getattr(config, "base_model_tp_plan", None)
-        if isinstance(hf_plan, Mapping) and hf_plan:
-            base = getattr(module, "base_model_prefix", "")
+        # A Hugging Face model (it names its base model); a module that merely keeps a config is not one.
+        base = getattr(module, "base_model_prefix", None)
+        hf_plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if isinstance(base, str) and isinstance(hf_plan, Mapping) and hf_plan:
             if base and hasattr(module, base):
                 prefix = f"{prefix}.{base}" if prefix else base
             where = f"{type(module).__name__}.config.base_model_tp_plan"

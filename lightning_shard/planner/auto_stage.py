@@ -115,8 +115,8 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         config.offload_params,
         engine=config.engine,
         nvme_path=config.nvme_path,
-        tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
-        replicate_size=getattr(config, "replicate_size", 1),
+        tensor_parallel_size=config.tensor_parallel_size,
+        replicate_size=config.replicate_size,
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
