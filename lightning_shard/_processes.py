@@ -3,11 +3,15 @@
 Kept apart from the strategy's model side (engine, optimizers, checkpoints) so each stays one job.
 Nothing here knows about sharding.
 
-What the strategy owns, and releases at every ``teardown()`` (the end of each Trainer call): the
-default process group when it created it (a user's own ``init_process_group`` is left alone), every
-group made after it (the device mesh's, the async checkpoint group, DeepSpeed's), after a final
-barrier. The next Trainer call makes them again. ``timeout`` applies to all of them, and a
-collective that exceeds it raises :class:`CollectiveTimeoutError`. Child ranks started by
+Process groups live as long as the process, as under Lightning's ``DDPStrategy``: the default group
+(made here unless the user or torchrun's agent made one first) and the device mesh are made at the
+first Trainer call and kept across ``fit`` / ``validate`` / ``test`` / ``predict``, so
+``trainer.strategy.barrier / broadcast / reduce / all_gather`` work in user code between and after
+calls. They are destroyed once, at interpreter exit (:func:`_release_all_at_exit`): the engines
+commit their pending checkpoints first, then every group this package made is destroyed (a user's
+own ``init_process_group`` is left alone). ``timeout`` applies to every group, and a collective that
+exceeds it raises :class:`CollectiveTimeoutError`; from then on every collective of the strategy
+raises too (the ranks no longer agree on anything), never a local value. Child ranks started by
 Lightning's launcher are waited for when rank 0 exits, and stopped if they do not follow.
 """
 
@@ -15,10 +19,12 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import logging
 import os
 import re
 import subprocess
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -47,7 +53,13 @@ _TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed by peer", "connec
 
 
 _STORES: dict[tuple[str, int], Any] = {}
+#: Bumped each time this package makes the default group; a mesh built on an older one is rebuilt.
 _generation = 0
+#: This package made the default group now alive (then it destroys it at exit).
+_world_made = False
+#: Strategies that joined a process group in this process, released at exit in reverse order.
+_LIVE: weakref.WeakValueDictionary[int, ProcessGroupStrategy] = weakref.WeakValueDictionary()
+_joined = itertools.count()
 
 
 def init_process_group(
@@ -55,11 +67,11 @@ def init_process_group(
 ) -> None:
     """``init_process_group`` on a store kept for the life of the process, under a fresh key prefix.
 
-    A process may make and destroy the default group several times (each Trainer call's set-up and
-    teardown). Re-creating the env:// store each time on the same port races with the previous one
-    and reads its stale keys; one store, with one prefix per generation, never does.
+    A process may make the default group more than once (a user destroyed it between Trainer calls).
+    Re-creating the env:// store each time on the same port races with the previous one and reads its
+    stale keys; one store, with one prefix per generation, never does.
     """
-    global _generation
+    global _generation, _world_made, _collective_failed
     rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()
     address, port = cluster_environment.main_address, int(cluster_environment.main_port)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
@@ -82,6 +94,27 @@ def init_process_group(
         world_size=world_size,
         **kwargs,
     )
+    _world_made, _collective_failed = True, False
+
+
+def _release_all_at_exit() -> None:
+    """At interpreter exit: every live strategy commits its engine's pending checkpoints and releases
+    the groups it made, newest first; then the default group, if this package made it."""
+    global _world_made
+    try:
+        for key in sorted(_LIVE.keys(), reverse=True):
+            strategy = _LIVE.get(key)
+            if strategy is not None:
+                strategy._release_at_exit()
+        if _world_made and _compat.distributed_is_initialized():
+            dist.destroy_process_group()
+        _world_made = False
+        _STORES.clear()  # the rendezvous store's server thread, stopped before interpreter finalization
+    except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
+        log.error("ShardStrategy: releasing process groups at exit failed: %r", error)
+
+
+atexit.register(_release_all_at_exit)
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -102,9 +135,9 @@ def guarded(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: ProcessGroupStrategy, *args: Any, **kwargs: Any) -> Any:
-        if self._timed_out and _compat.distributed_is_initialized():
-            if method.__name__ == "barrier":
-                return None  # nothing left to synchronise with: the first error is on its way up
+        if (self._timed_out or _collective_failed) and _compat.distributed_is_initialized():
+            # The groups outlive the failure: a collective on them would wait for the lost rank again,
+            # and returning this rank's own value instead would be a silent wrong answer.
             raise CollectiveTimeoutError(
                 f"ShardStrategy.{method.__name__} was not run: an earlier collective on rank {self.global_rank}"
                 f" failed (ShardStrategy(timeout={self._timeout})); see the first error."
@@ -139,13 +172,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._process_group_backend: str | None = backend
         self._timeout = timeout
         self._device_mesh: Any = None
+        self._mesh_generation = -1
         self.num_nodes = 1
-        self._owns_world = False
-        self._groups_before: set[Any] = set()
+        self._groups_before: set[Any] | None = None  # groups alive before this strategy made its own
         self._timed_out = False  # a collective failed: the groups can no longer be trusted
-        self._exit_hook_registered = False
-        self._released = False
-        self._made_world = False
+        self._live_key = -1
 
     @property
     def device_mesh(self) -> Any:
@@ -203,47 +234,37 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._process_group_backend = self._requested_backend or _compat.default_backend(self.root_device)
         assert self.cluster_environment is not None
         self._connect()
-        if not self._exit_hook_registered:
-            # A safety net for exits that skip teardown (an exception raised inside an exception hook).
-            atexit.register(self._release_at_exit)
-            self._exit_hook_registered = True
 
     def _connect(self) -> None:
-        initialized = _compat.distributed_is_initialized()
-        # Still ours when made by reconnect() between calls and not yet released.
-        self._owns_world = not initialized or self._made_world
-        self._groups_before = set(_compat.live_process_groups())
-        self._timed_out = self._released = False
-        if not initialized:
+        """Join the process group and build the device mesh, once: later Trainer calls reuse both."""
+        if not _compat.distributed_is_initialized():
             assert self._process_group_backend is not None
             device_id = self.root_device if self.root_device.type != "cpu" else None
             init_process_group(
                 self.cluster_environment, self._process_group_backend, self._timeout, device_id
             )
-            self._made_world = True
-        self._device_mesh = self.layout.build(self.root_device.type)
+            self._timed_out = False  # a new world: an earlier one's failure is behind it
+        if self._device_mesh is None or self._mesh_generation != _generation:
+            if self._groups_before is None:
+                self._groups_before = set(_compat.live_process_groups())
+            self._device_mesh = self.layout.build(self.root_device.type)
+            self._mesh_generation = _generation
+        if self._live_key not in _LIVE:
+            self._live_key = next(_joined)
+            _LIVE[self._live_key] = self
         self.apply_timeout()
-
-    def reconnect(self) -> None:
-        """Make the process groups again between Trainer calls, on every rank together.
-
-        Teardown released them; ``trainer.save_checkpoint`` after ``fit`` (and reading full weights
-        from a sharded model) need them. They are released again at the next teardown or at exit.
-        """
-        if not self._released:
-            return
-        self._connect()
-        self._reconnected()
-
-    def _reconnected(self) -> None:
-        """Point what still holds the released groups at the new ones (the strategy's model side)."""
 
     # --- groups this strategy made: timeouts and release -----------------------------------------
 
+    @property
+    def _owns_world(self) -> bool:
+        return _world_made
+
     def _own_groups(self) -> list[Any]:
-        """The process groups made since set-up began (all of them when this strategy made the default one)."""
+        """The process groups this strategy (or its engine) made; all of them when this package made the
+        default group."""
         groups = _compat.live_process_groups()
-        if self._owns_world:
+        if self._owns_world or self._groups_before is None:
             return groups
         return [group for group in groups if group not in self._groups_before]
 
@@ -264,35 +285,20 @@ class ProcessGroupStrategy(ParallelStrategy):
         """Destroy the default process group and every group made after it."""
         dist.destroy_process_group()
 
-    def release_processes(self) -> None:
-        """A final barrier, then destroy every process group this strategy made (teardown)."""
-        if not _compat.distributed_is_initialized():
-            self._device_mesh = None
+    def _release_at_exit(self) -> None:
+        """Exit: destroy the groups this strategy made (the default one too, when this package made it).
+        No barrier: the other ranks may be gone."""
+        global _world_made
+        _LIVE.pop(self._live_key, None)
+        if not _compat.distributed_is_initialized() or self._device_mesh is None:
             return
-        if not self._timed_out:
-            try:
-                self.barrier("teardown")
-            except CollectiveTimeoutError as error:
-                log.error(
-                    "ShardStrategy: the final barrier failed, destroying process groups anyway: %s", error
-                )
         if self._owns_world:
             self._destroy_world()
-            self._made_world = False
+            _world_made = False
         else:
             for group in self._own_groups():
                 dist.destroy_process_group(group)
         self._device_mesh = None
-        self._released = True
-
-    def _release_at_exit(self) -> None:
-        try:
-            if _compat.distributed_is_initialized() and self._device_mesh is not None:
-                self._timed_out = True  # no barrier: the other ranks may be gone
-                self.release_processes()
-            _STORES.clear()  # the rendezvous store's server thread, stopped before interpreter finalization
-        except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
-            log.error("ShardStrategy: releasing process groups at exit failed: %r", error)
 
     def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
         global _collective_failed
@@ -339,6 +345,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _compat.sync_ddp(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    @guarded
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
 
 class ShardLauncher(_compat.SubprocessScriptLauncher):  # type: ignore[misc,valid-type]

@@ -407,16 +407,15 @@ class ShardStrategy(ProcessGroupStrategy):
 
     @override
     def teardown(self) -> None:
-        """End of a Trainer call: the engine commits pending checkpoints and removes its files, then
-        every process group the strategy made is destroyed after a final barrier (the next call makes
-        them again)."""
+        """End of a Trainer call: the engine commits pending checkpoints and removes its files. The process
+        groups stay alive for collectives in user code and the next call, as under ``DDPStrategy``; they
+        are destroyed at exit (:mod:`lightning_shard._processes`)."""
         try:
             if self._engine is not None and self._engine_live:
                 # Kept for inspection after the run; the next Trainer call builds a fresh one.
                 self._engine_live = False
                 self._engine.teardown()
         finally:
-            self.release_processes()
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
@@ -440,19 +439,13 @@ class ShardStrategy(ProcessGroupStrategy):
     def _full(self) -> bool:
         return self.config.checkpoint == "full"
 
-    def _reconnected(self) -> None:
-        if self._engine is not None and self.model is not None:
-            self._engine.reconnect(self.model, self.optimizers)
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.reconnect()  # trainer.save_checkpoint after fit: the groups were released at teardown
         assert self.model is not None
         return self.engine.model_state_dict(self.model, full=self._full)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        self.reconnect()
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
@@ -482,7 +475,6 @@ class ShardStrategy(ProcessGroupStrategy):
                 filepath,
             )
             return
-        self.reconnect()
         trainer = self._lm.trainer if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         self._save_checkpoint(checkpoint, filepath, exception=interrupted)

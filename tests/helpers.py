@@ -54,7 +54,7 @@ def _world() -> tuple[int, int] | None:
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    # Between Trainer calls the strategy has destroyed its process group, and Lightning's environment
+    # Before the first Trainer call there is no process group yet, and after one Lightning's environment
     # has removed WORLD_SIZE; the launcher's LOCAL_WORLD_SIZE stays (one node).
     world = os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
     if world is not None:
@@ -82,9 +82,6 @@ def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The unsharded model weights (on every rank), whatever the strategy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    reconnect = getattr(trainer.strategy, "reconnect", None)
-    if callable(reconnect):
-        reconnect()  # after a Trainer call: the strategy released its process groups at teardown
     model = trainer.strategy.model
     if dist.is_initialized():
         sd = get_model_state_dict(

@@ -225,7 +225,6 @@ def _with_the_rest(weights: str) -> dict[str, Any]:
         meta_model = EvalGPT()
     losses, trainer = _fit(TP2_SHARD2, "sgd", model=meta_model)
     out["meta_losses"] = losses
-    trainer.strategy.reconnect()
     local = meta_model.inner.model.tok_emb.weight.to_local().detach().clone()
     gathered = [torch.empty_like(local) for _ in range(WORLD)]
     dist.all_gather(gathered, local)

@@ -16,7 +16,7 @@ Lifecycle, per Trainer call (``fit``, ``validate``, ``test``, ``predict``; any o
     state_bytes(model, optimizers)   -> bytes held, by kind and by place (one shape for every engine)
     wait_for_checkpoints()           (an exception checkpoint: committed before the job exits)
     teardown()                       (pending checkpoints committed, threads joined, files removed)
-    destroy_world()                  (the strategy destroys the process groups through it, last)
+    destroy_world()                  (the strategy destroys the process groups through it, at exit)
 """
 
 from __future__ import annotations
@@ -211,17 +211,14 @@ class Engine(ABC):
 
         on_every_rank_init(path, lambda: load_full_weights(module, path))
 
-    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:  # noqa: B027
-        """The strategy made its process groups again after a teardown (a save between Trainer calls):
-        point the model and optimizers at them."""
-
     def wait_for_checkpoints(self) -> None:  # noqa: B027
         """Block until every checkpoint this engine started writing is committed (raise its error)."""
 
     def teardown(self) -> None:  # noqa: B027
         """Commit pending checkpoints, join the engine's threads, remove its swap and temporary files.
 
-        Process groups are destroyed afterwards by the strategy, through :meth:`destroy_world`.
+        Process groups outlive it (collectives after a Trainer call, as under ``DDPStrategy``): the
+        strategy destroys them at exit, through :meth:`destroy_world`.
         """
 
     @classmethod

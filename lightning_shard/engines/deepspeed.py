@@ -66,7 +66,6 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
-        self._released = False  # the strategy made new groups after this engine's call ended
         check_precision(self.stage, precision)
         self._backwards = 0  # backward calls since the last optimizer step
 
@@ -239,9 +238,10 @@ class DeepSpeedEngine(Engine):
         path: Path,
         exception: bool = False,
     ) -> None:
-        # DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes nothing.
-        self._check_connected()
-        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename)."""
+        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename).
+
+        DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes
+        nothing."""
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
         checkpoint.pop("optimizer_states", None)
 
@@ -316,19 +316,6 @@ class DeepSpeedEngine(Engine):
             return
         on_every_rank_init(path, lambda: _load_partitioned(module, path, self.run.is_global_zero))
 
-    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        # DeepSpeed's engine and optimizer keep the groups of the call that built them.
-        self._released = True
-
-    def _check_connected(self) -> None:
-        if self._released:
-            raise RuntimeError(
-                "ShardStrategy(engine='deepspeed') released DeepSpeed's process groups at the end of the last"
-                " Trainer call, and DeepSpeed's engine cannot be re-pointed at new ones: save from inside the"
-                " run (ModelCheckpoint(save_last=True), or trainer.save_checkpoint in a callback's on_train_end),"
-                " or use engine='fsdp'."
-            )
-
     @classmethod
     def destroy_world(cls) -> None:
         # Through deepspeed.comm when DeepSpeed started: it also drops its cached groups, so the next
@@ -374,7 +361,7 @@ def _rebind_partitioned(module: nn.Module) -> None:
     """Point parameters ZeRO-3 partitioned in an earlier ``fit`` at this call's process group.
 
     DeepSpeed records the group on each partitioned parameter and skips parameters it already
-    partitioned; the strategy destroyed that group at the earlier call's teardown.
+    partitioned; a default group destroyed and made again since (by the user) leaves the recorded one dead.
     """
     partitioned = [p for p in module.parameters() if hasattr(p, "ds_process_group")]
     if not partitioned:

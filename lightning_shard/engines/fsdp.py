@@ -276,15 +276,6 @@ class FSDPEngine(Engine):
             held.held[kind][place] += nbytes
         return held
 
-    def reconnect(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        if self.stage >= 2 or self.run.tp_mesh is not None:
-            _compat.refresh_fsdp_groups(model)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        for optimizer in optimizers:  # stage 1: gathering its state for a checkpoint runs on its group
-            if isinstance(optimizer, ZeroRedundancyOptimizer):
-                optimizer.process_group = self.mesh.get_group()
-
     def wait_for_checkpoints(self) -> None:
         if self.async_checkpointer is not None:
             self.async_checkpointer.wait()
