@@ -67,6 +67,7 @@ def _offload(nvme_path: str) -> dict:
     return out
 
 
+@pytest.mark.needs_libaio
 def test_cpu_and_nvme_optimizer_offload_converge_like_no_offload(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -107,6 +107,7 @@ def test_auto_engine_choice(kwargs, engine):
 
 
 @pytest.mark.deepspeed
+@pytest.mark.needs_libaio
 def test_nvme_chooses_deepspeed(tmp_path):
     assert (
         ShardStrategy(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path)).engine_name == "deepspeed"
@@ -198,6 +199,7 @@ def test_swap_directory_is_cleared(tmp_path):
 
 
 @pytest.mark.deepspeed
+@pytest.mark.needs_libaio
 def test_nvme_registered_name(tmp_path, monkeypatch):
     monkeypatch.delenv("LIGHTNING_SHARD_NVME_PATH", raising=False)
     with pytest.raises(ValueError, match=r"needs the NVMe swap directory in the environment variable"):

@@ -37,7 +37,7 @@ def test_layout_orders_tp_innermost_then_shard_then_replicate():
         pytest.param(
             dict(stage=3, offload_optimizer="nvme", nvme_path="/tmp", replicate_size=2),
             "Use engine='fsdp'",
-            marks=pytest.mark.deepspeed,
+            marks=[pytest.mark.deepspeed, pytest.mark.needs_libaio],
         ),
         (dict(tensor_parallel_plan={"blocks.*.qkv": "colwise"}), "only used with tensor_parallel_size > 1"),
         (

@@ -14,6 +14,12 @@ def _config(stage: int, precision: ShardPrecision) -> dict:
     return make_engine("deepspeed", stage, precision).ds_config(TrainSettings())
 
 
+@pytest.fixture
+def cpu_fp16(monkeypatch):
+    """DeepSpeed's config for 16-mixed is checked on any CPU: pretend this one serves fp16."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: True)
+
+
 @pytest.mark.parametrize(
     "precision, reduce_dtype, expected",
     [
@@ -24,12 +30,12 @@ def _config(stage: int, precision: ShardPrecision) -> dict:
         ("32-true", None, None),
     ],
 )
-def test_deepspeed_reduces_gradients_in_reduce_dtype(precision, reduce_dtype, expected):
+def test_deepspeed_reduces_gradients_in_reduce_dtype(cpu_fp16, precision, reduce_dtype, expected):
     config = _config(2, ShardPrecision(precision, reduce_dtype=reduce_dtype))
     assert config.get("communication_data_type") == expected
 
 
-def test_deepspeed_fp16_keeps_a_dynamic_loss_scale():
+def test_deepspeed_fp16_keeps_a_dynamic_loss_scale(cpu_fp16):
     config = _config(2, ShardPrecision("16-mixed"))
     assert config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     assert "bf16" not in config
@@ -41,6 +47,35 @@ def test_deepspeed_fp16_without_zero_is_refused():
         match=r"ShardStrategy\(stage=0, engine='deepspeed'\) cannot run precision='16-mixed'.*Use stage=1 or higher",
     ):
         make_engine("deepspeed", 0, ShardPrecision("16-mixed"))
+
+
+def test_deepspeed_fp16_on_a_cpu_without_fp16_is_refused_at_setup(monkeypatch):
+    from lightning_shard.engines import engine_class
+    from lightning_shard.engines._deepspeed_precision import check_device_precision, cpu_supports_fp16
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)  # e.g. AMD EPYC
+    assert not cpu_supports_fp16()
+    # Trainer construction cannot know the device: the flags pass there, and fail once set-up knows it.
+    engine_class("deepspeed").check_precision(2, ShardPrecision("16-mixed"))
+    with pytest.raises(
+        ValueError,
+        match=r"ShardStrategy\(engine='deepspeed'\) cannot run precision='16-mixed' on this CPU: DeepSpeed's CPU"
+        r" accelerator has no fp16 support here \(torch.ops.mkldnn._is_mkldnn_fp16_supported\(\) is False.*"
+        r" Use precision='bf16-mixed', or engine='fsdp' .*, or a GPU\.",
+    ):
+        make_engine("deepspeed", 2, ShardPrecision("16-mixed"))
+    make_engine("deepspeed", 2, ShardPrecision("bf16-mixed"))  # DeepSpeed's CPU bf16 needs no probe
+    check_device_precision(torch.device("cuda"), ShardPrecision("16-mixed"))  # only the CPU is probed
+
+
+def test_a_torch_without_the_fp16_probe_counts_as_no_fp16(monkeypatch):
+    from lightning_shard.engines._deepspeed_precision import cpu_supports_fp16
+
+    def missing() -> bool:
+        raise RuntimeError("No such operator mkldnn::_is_mkldnn_fp16_supported")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", missing)
+    assert not cpu_supports_fp16()
 
 
 def test_deepspeed_reduce_dtype_it_cannot_communicate_is_refused():

@@ -44,6 +44,16 @@ def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert ci_lines[-1] == test_command
 
 
+def test_quickstart_and_ci_name_what_nvme_offload_needs_and_what_tests_skip_on():
+    section = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    setup = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    assert "apt-get install libaio-dev" in setup  # tests marked needs_libaio skip without it
+    assert "apt-get install -y -qq libaio-dev" in (ROOT / ".ci/run").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for marker in ("deepspeed", "needs_libaio", "cuda", "needs_fp16_cpu"):  # the conftest's skip markers
+        assert f"`{marker}`" in section and f'"{marker}: ' in pyproject, marker
+
+
 def test_extras_named_in_the_readme_exist():
     # pyproject's extras, one `name = [...]` line each (tomllib is not in Python 3.10).
     section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]\n", 1)[1]

@@ -45,6 +45,32 @@ def check_precision(stage: int | str, precision: ShardPrecision) -> None:
         )
 
 
+def cpu_supports_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator serves fp16 on this CPU.
+
+    It asks oneDNN, whose fp16 kernels need AVX512-FP16 or AMX-FP16 (recent Intel Xeons; AMD EPYC has
+    neither), and treats a torch without the probe as no fp16 (DeepSpeed 0.19,
+    ``CPU_Accelerator.is_fp16_supported``).
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_device_precision(device: torch.device, precision: ShardPrecision) -> None:
+    """Refuse what DeepSpeed cannot run on ``device`` (known only once the strategy sets up)."""
+    if precision.precision == "16-mixed" and device.type == "cpu" and not cpu_supports_fp16():
+        # DeepSpeed itself fails later, inside deepspeed.initialize ("Type fp16 is not supported on
+        # your device"), after the model was built and moved.
+        raise ValueError(
+            "ShardStrategy(engine='deepspeed') cannot run precision='16-mixed' on this CPU: DeepSpeed's CPU"
+            " accelerator has no fp16 support here (torch.ops.mkldnn._is_mkldnn_fp16_supported() is False;"
+            " oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16, which CPUs such as AMD EPYC lack)."
+            " Use precision='bf16-mixed', or engine='fsdp' (fp16 autocast runs on any CPU), or a GPU."
+        )
+
+
 class DeepSpeedPrecision(ShardPrecision):
     """:class:`ShardPrecision` for the DeepSpeed engine; built from the Trainer's precision like it."""
 

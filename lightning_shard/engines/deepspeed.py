@@ -31,7 +31,12 @@ from lightning_shard import offload
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.weights import deepspeed_model_states
-from lightning_shard.engines._deepspeed_precision import COMM_DTYPES, DeepSpeedPrecision, check_precision
+from lightning_shard.engines._deepspeed_precision import (
+    COMM_DTYPES,
+    DeepSpeedPrecision,
+    check_device_precision,
+    check_precision,
+)
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
         check_precision(self.stage, precision)
+        check_device_precision(run.device, precision)
         self._backwards = 0  # backward calls since the last optimizer step
 
     # --- set-up ----------------------------------------------------------------------------------
