@@ -1,7 +1,9 @@
 """The ``lightning-shard`` console script.
 
-``lightning-shard consolidate CKPT OUT.pt`` writes one plain state-dict file (``torch.load`` +
-``module.load_state_dict``) from a sharded checkpoint directory or a full checkpoint file.
+``lightning-shard consolidate CKPT OUT.ckpt`` writes one Lightning checkpoint file (the full weights and
+hyperparameters: ``MyModel.load_from_checkpoint(OUT.ckpt)``) from a sharded or DeepSpeed checkpoint
+directory or a full checkpoint file; with ``--weights-only``, one plain state dict (``torch.load`` +
+``module.load_state_dict``) instead.
 
 ``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
 stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md); beyond one node,
@@ -14,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pickle
 import sys
 from typing import Any
 
@@ -120,9 +123,25 @@ def _add_plan(sub: Any) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-shard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    consolidate = sub.add_parser("consolidate", help="write a sharded checkpoint's model weights as one file")
-    consolidate.add_argument("checkpoint", help="a sharded checkpoint directory or a full checkpoint file")
-    consolidate.add_argument("out", help="output file, e.g. model.pt")
+    consolidate = sub.add_parser(
+        "consolidate",
+        help="write a checkpoint's full model weights as one file (a Lightning checkpoint, or --weights-only)",
+    )
+    consolidate.add_argument(
+        "checkpoint", help="a sharded or DeepSpeed checkpoint directory, or a full checkpoint file"
+    )
+    consolidate.add_argument("out", help="output file, e.g. model.ckpt (model.pt with --weights-only)")
+    consolidate.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="write the plain state dict (module.load_state_dict(torch.load(OUT))) instead of a Lightning checkpoint",
+    )
+    consolidate.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle without torch's weights_only restriction (hyperparameters of custom classes);"
+        " only for checkpoints from a source you trust",
+    )
     _add_plan(sub)
     return parser
 
@@ -239,8 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "consolidate":
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        fmt: checkpoint.ConsolidateFormat = "state_dict" if args.weights_only else "lightning"
         try:
-            out = checkpoint.consolidate(args.checkpoint, args.out)
+            out = checkpoint.consolidate(
+                args.checkpoint, args.out, format=fmt, weights_only=False if args.trusted else None
+            )
+        except pickle.UnpicklingError as err:
+            # torch's own refusal puts its cause on a "WeightsUnpickler error" line after general advice.
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            cause = next((line.strip() for line in lines if "WeightsUnpickler error" in line), None)
+            message = (
+                lines[0] if cause is None else f"{cause} Add --trusted if you trust the checkpoint's source."
+            )
+            print(f"lightning-shard consolidate: {message}", file=sys.stderr)
+            return 2
         except (FileNotFoundError, ValueError) as err:
             print(f"lightning-shard consolidate: {err}", file=sys.stderr)
             return 2

@@ -71,7 +71,7 @@ def test_resume_from_last_and_consolidate(tmp_path):
     torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
 
     out = tmp_path / "model.pt"
-    assert cli_main(["consolidate", str(tmp_path / "epoch=1-step=10.ckpt"), str(out)]) == 0
+    assert cli_main(["consolidate", str(tmp_path / "epoch=1-step=10.ckpt"), str(out), "--weights-only"]) == 0
     plain = tiny_gpt()
     plain.load_state_dict(torch.load(out, weights_only=True))
     for name, tensor in plain.state_dict().items():

@@ -8,8 +8,10 @@ Layout of a sharded checkpoint ``<name>.ckpt/`` (a directory):
 
 Modules: :mod:`._commit` (``NAME.tmp`` -> rename, used by every writer), :mod:`.layout` (names,
 kinds), :mod:`.sharded` (DCP save / load into any layout), :mod:`.async_save` (background writes),
-:mod:`.weights` (full weights in one process, ``consolidate``), :mod:`._errors` (why a resume fails,
-said on every rank).
+:mod:`.weights` (full weights in one process, ``consolidate``), :mod:`.lightning_format` (any of them as
+the dict ``LightningModule.load_from_checkpoint`` reads; importing this package lets that classmethod read
+our directories), :mod:`._pickles` (``weights_only`` for the pickles DCP and DeepSpeed unpickle themselves),
+:mod:`._errors` (why a resume fails, said on every rank).
 """
 
 from lightning_shard.checkpoint._commit import TMP_SUFFIX, commit, remove, save_file, write_committed
@@ -28,8 +30,19 @@ from lightning_shard.checkpoint.layout import (
     optimizer_key,
     read_metadata,
 )
+from lightning_shard.checkpoint.lightning_format import (
+    install_load_from_checkpoint,
+    is_checkpoint_directory,
+    load_lightning_checkpoint,
+)
 from lightning_shard.checkpoint.sharded import load_full_into, load_sharded_into, read_meta, save_sharded
-from lightning_shard.checkpoint.weights import check_deepspeed_checkpoint, consolidate, load_model_weights
+from lightning_shard.checkpoint.weights import (
+    ConsolidateFormat,
+    check_deepspeed_checkpoint,
+    consolidate,
+    load_full_state_dict,
+    load_model_weights,
+)
 
 __all__ = [
     "DEEPSPEED_TAG",
@@ -39,12 +52,17 @@ __all__ = [
     "AsyncCheckpointError",
     "AsyncCheckpointer",
     "CheckpointLoadError",
+    "ConsolidateFormat",
     "check_deepspeed_checkpoint",
     "commit",
     "consolidate",
+    "install_load_from_checkpoint",
+    "is_checkpoint_directory",
     "is_deepspeed_checkpoint",
     "is_sharded_checkpoint",
     "load_full_into",
+    "load_full_state_dict",
+    "load_lightning_checkpoint",
     "load_model_weights",
     "load_sharded_into",
     "new_checkpoint_group",
@@ -56,3 +74,5 @@ __all__ = [
     "save_sharded",
     "write_committed",
 ]
+
+install_load_from_checkpoint()

@@ -92,8 +92,8 @@ def _sharded_target(
             "a DeepSpeed checkpoint (per-rank ZeRO partitions under checkpoint/)",
             "fsdp",
             "Resume it with ShardStrategy(engine='deepspeed') on the world size it was saved on, or turn it into"
-            f" plain weights with `lightning-shard consolidate {shlex.quote(str(path))} model.pt`, load those with"
-            " model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
+            f" plain weights with `lightning-shard consolidate {shlex.quote(str(path))} model.pt --weights-only`,"
+            " load those with model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
         )
     if not is_sharded_checkpoint(path):
         missing = [name for name in (".metadata", META_FILENAME) if not (path / name).is_file()]
@@ -149,7 +149,7 @@ def _read_full(engine: Any, model: Any, path: Path) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(MODEL_KEY), dict):
         raise CheckpointLoadError(
             f"{str(path)!r} is not a Lightning training checkpoint (no {MODEL_KEY!r} entry): a plain state dict,"
-            " such as `lightning-shard consolidate` writes, holds weights only. Load it with"
+            " such as `lightning-shard consolidate --weights-only` writes, holds weights only. Load it with"
             " model.load_state_dict(torch.load(path)) before fit and fit without ckpt_path."
         )
     saved = {k: tuple(v.size()) if torch.is_tensor(v) else None for k, v in checkpoint[MODEL_KEY].items()}

@@ -1,10 +1,17 @@
-"""Full model weights out of any checkpoint, in one process: ``load_model_weights`` and ``consolidate``."""
+"""Full model weights out of any checkpoint, in one process: ``load_model_weights`` and ``consolidate``.
+
+``weights_only`` follows ``torch.load``: ``None`` is torch's default (``True``), and only ``False`` lets a
+checkpoint's pickles name arbitrary globals (:mod:`._pickles` applies it to DCP's ``.metadata`` and to
+DeepSpeed's files, which their libraries unpickle without it).
+"""
 
 from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import lightning_shard.checkpoint._errors as errors
 from lightning_shard.checkpoint._commit import save_file
+from lightning_shard.checkpoint._pickles import MetadataReader, check_deepspeed_pickles
 from lightning_shard.checkpoint.layout import (
     DEEPSPEED_TAG,
     META_FILENAME,
@@ -22,31 +30,34 @@ from lightning_shard.checkpoint.layout import (
 )
 
 
-def load_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state dict of a checkpoint (sharded directory or single file), in this process.
+def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint (sharded or DeepSpeed directory, or a file), in this process.
 
-    Needs no process group: DCP reads every shard of the requested keys.
+    Needs no process group: DCP reads every shard of the requested keys, DeepSpeed's ``zero_to_fp32``
+    every rank's partitions. A file is a Lightning checkpoint (its ``state_dict``) or a plain state dict.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
     if path.is_file():
-        checkpoint = torch.load(path, weights_only=False, map_location="cpu")
+        checkpoint = torch.load(path, weights_only=weights_only, map_location="cpu")
         return checkpoint.get(MODEL_KEY, checkpoint)
     if is_deepspeed_checkpoint(path):
-        return _deepspeed_weights(path)
+        return _deepspeed_weights(path, weights_only)
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
             " it may be a save that never completed."
         )
+    reader = None if weights_only is False else MetadataReader(path)
+    metadata = read_metadata(path) if reader is None else reader.read_metadata()
     prefix = MODEL_KEY + "."
     target = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in read_metadata(path).state_dict_metadata.items()
+        for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
-    dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    dcp.load(target, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
     return {key[len(prefix) :]: value for key, value in target.items()}
 
 
@@ -69,22 +80,26 @@ def _refuse_fsdp_checkpoint(path: Path) -> None:
         kind,
         "deepspeed",
         "Resume it with ShardStrategy(engine='fsdp') (any world size, any stage), or start engine='deepspeed'"
-        f" from its weights: `lightning-shard consolidate {shlex.quote(str(path))} model.pt`, then"
+        f" from its weights: `lightning-shard consolidate {shlex.quote(str(path))} model.pt --weights-only`, then"
         " model.load_state_dict(torch.load('model.pt')) and fit without ckpt_path.",
     )
 
 
-def deepspeed_model_states(path: Path) -> dict:
+def deepspeed_model_states(path: Path, weights_only: bool | None = False) -> dict:
     """Rank 0's ``*mp_rank_00_model_states.pt`` of a DeepSpeed checkpoint: Lightning's entries and, without
     ZeRO (stage 0), the whole module."""
     (states,) = sorted((path / DEEPSPEED_TAG).glob("*mp_rank_00_model_states.pt"))[:1]
+    if weights_only is not False:
+        check_deepspeed_pickles([states])
     return torch.load(states, map_location="cpu", weights_only=False)
 
 
-def _deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
-    states = deepspeed_model_states(path)
+def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch.Tensor]:
+    states = deepspeed_model_states(path, weights_only)
     if states.get("param_shapes") is None:  # stage 0: no ZeRO partitions, the module is saved whole
         return {key: value.detach().float().clone() for key, value in states["module"].items()}
+    if weights_only is not False:  # zero_to_fp32 unpickles every rank's files with weights_only=False
+        check_deepspeed_pickles(sorted((path / DEEPSPEED_TAG).glob("*.pt")))
     # DeepSpeed's own reconstruction of fp32 weights from every rank's ZeRO partitions.
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -92,9 +107,63 @@ def _deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in state.items()}
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the model weights of a checkpoint as one plain ``torch.save``'d state dict."""
-    weights = load_model_weights(path)
+ConsolidateFormat = Literal["lightning", "state_dict"]
+
+
+def consolidate(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    format: ConsolidateFormat = "lightning",
+    weights_only: bool | None = None,
+) -> Path:
+    """Write a checkpoint's full model weights as one ``torch.save`` file.
+
+    ``format="lightning"``: a Lightning checkpoint holding the weights (what ``ModelCheckpoint(
+    save_weights_only=True)`` writes): ``LightningModule.load_from_checkpoint``, ``trainer.test(ckpt_path=...)``
+    and ``ShardStrategy(init_weights=...)`` read it. ``format="state_dict"``: the plain state dict, for
+    ``module.load_state_dict(torch.load(out))`` in code without Lightning.
+    """
+    from lightning_shard.checkpoint.lightning_format import load_lightning_checkpoint
+
+    if format not in ("lightning", "state_dict"):
+        raise ValueError(f"consolidate(format={format!r}) is unknown. Use 'lightning' or 'state_dict'.")
+    if format == "lightning":
+        content: Mapping[str, Any] = load_lightning_checkpoint(path, weights_only=weights_only)
+    else:
+        content = load_model_weights(path, weights_only=weights_only)
     out = Path(out)
-    save_file(weights, out)
+    save_file(dict(content), out)
     return out
+
+
+def load_full_state_dict(
+    module: torch.nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    path: Path,
+    is_rank0: bool,
+    hparams: Any = None,
+) -> None:
+    """Full weights into ``module``, strictly; ZeRO-3 parameters (partitioned by DeepSpeed) one at a time,
+    gathered, filled on rank 0 and partitioned again (``deepspeed.zero.GatheredParameters``)."""
+    state = module.state_dict(keep_vars=True)
+    saved = {k: tuple(v.shape) for k, v in weights.items()}
+    wanted = {k: tuple(getattr(t, "ds_shape", t.shape)) for k, t in state.items() if torch.is_tensor(t)}
+    errors.check_state(path, saved, wanted, "", "model", strict=True, fix=errors.model_fix(hparams, module))
+    if not any(hasattr(t, "ds_tensor") for t in state.values()):
+        device = next((t.device for t in state.values() if torch.is_tensor(t)), torch.device("cpu"))
+        module.load_state_dict({k: v.to(device) for k, v in weights.items()})
+        return
+    import deepspeed
+
+    done: set[int] = set()
+    for key, tensor in state.items():
+        if id(tensor) in done or not torch.is_tensor(tensor):
+            continue
+        done.add(id(tensor))  # a tied parameter is filled once
+        if not hasattr(tensor, "ds_tensor"):  # a buffer: whole on every rank
+            with torch.no_grad():
+                tensor.copy_(weights[key])
+            continue
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0), torch.no_grad():
+            if is_rank0:
+                tensor.copy_(weights[key])

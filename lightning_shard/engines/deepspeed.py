@@ -268,10 +268,15 @@ class DeepSpeedEngine(Engine):
         return client_state
 
     def _load_weights_only(self, model: nn.Module, path: Path) -> dict[str, Any]:
-        """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more)."""
-        weights = ckpt.load_model_weights(path)
-        model.load_state_dict({k: v.to(self.run.device) for k, v in weights.items()})
+        """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more).
+
+        Parameters an earlier fit partitioned (ZeRO-3) are filled through DeepSpeed's gather: a plain
+        ``load_state_dict`` would copy into their empty local storage and change nothing."""
+        weights = ckpt.load_model_weights(path, weights_only=False)
         state = deepspeed_model_states(path)
+        ckpt.load_full_state_dict(
+            model, weights, path, self.run.is_global_zero, state.get("hyper_parameters")
+        )
         # Lightning's entries (loops, callbacks, hyperparameters) sit beside DeepSpeed's in this file;
         # Lightning reads only its own, so only DeepSpeed's bulky ones (weights, optimizer) are dropped.
         return {k: v for k, v in state.items() if k not in ("module", "optimizer")}

@@ -1,0 +1,142 @@
+"""Every checkpoint the pack writes, as the one dict Lightning's ``load_from_checkpoint`` reads.
+
+Lightning's ``LightningModule.load_from_checkpoint(path)`` wants a ``torch.load``-able file holding
+``pytorch-lightning_version``, ``state_dict`` (the full weights) and ``hyper_parameters``.
+``checkpoint="full"`` files are such a file already; a sharded checkpoint (DCP shards + ``meta.pt``) and
+a DeepSpeed checkpoint (per-rank ZeRO partitions whose model-states file carries Lightning's entries)
+are directories. :func:`load_lightning_checkpoint` reads either directory into that dict, in one process
+with no process group, and ``consolidate`` writes it as a file.
+
+``load_from_checkpoint(directory)`` itself works through one adapter,
+:func:`install_load_from_checkpoint`, run when ``lightning_shard`` is imported: it wraps the loader
+Lightning's ``load_from_checkpoint`` calls (``lightning.pytorch.core.saving.pl_load``, a private name).
+The wrapper takes only local directories that are one of our two layouts, recognised by their files
+(``.metadata`` + ``meta.pt``; ``checkpoint/*mp_rank_00_model_states.pt``), and hands every other path
+to Lightning's own loader unchanged. ``weights_only`` and ``map_location`` are passed through.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_shard.checkpoint.layout import (
+    META_FILENAME,
+    MODEL_KEY,
+    is_deepspeed_checkpoint,
+    is_sharded_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+VERSION_KEY = "pytorch-lightning_version"
+#: What only resuming training needs; left out as ``ModelCheckpoint(save_weights_only=True)`` leaves it
+#: out, so ``fit(ckpt_path=...)`` on the result stops with Lightning's "contains only the model" error.
+RESUME_ONLY = ("optimizer_states", "lr_schedulers", "callbacks")
+#: DeepSpeed's own entries in its model-states file, beside Lightning's (``client_state``).
+DEEPSPEED_ENTRIES = (
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "checkpoint_parallel_dimensions",
+    "ds_config",
+    "ds_version",
+)
+
+
+def is_checkpoint_directory(path: str | os.PathLike) -> bool:
+    """A directory in one of the pack's layouts (sharded DCP, or DeepSpeed's)."""
+    return is_sharded_checkpoint(path) or is_deepspeed_checkpoint(path)
+
+
+def load_lightning_checkpoint(
+    path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """A Lightning checkpoint dict, full weights in ``state_dict``, from any checkpoint the pack writes.
+
+    ``path``: a sharded or DeepSpeed checkpoint directory, or a ``checkpoint="full"`` / consolidated file.
+    ``weights_only`` as in ``torch.load`` (``None``: torch's default, ``True``). ``map_location``: a device
+    (``"cuda:0"``, ``torch.device``) moves the weights there; anything else leaves them on the CPU.
+    """
+    from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    if path.is_file():
+        entries = torch.load(path, map_location="cpu", weights_only=weights_only)
+        if not isinstance(entries, dict) or not isinstance(entries.get(MODEL_KEY), dict):
+            raise ValueError(
+                f"{str(path)!r} is not a Lightning checkpoint (no {MODEL_KEY!r} entry): a plain state dict holds no"
+                " hyperparameters. Consolidate the training checkpoint it came from instead:"
+                " `lightning-shard consolidate CKPT model.ckpt`."
+            )
+        weights = entries.pop(MODEL_KEY)
+    elif is_deepspeed_checkpoint(path):
+        states = deepspeed_model_states(path, weights_only)
+        entries = {k: v for k, v in states.items() if k not in DEEPSPEED_ENTRIES}
+        weights = load_model_weights(path, weights_only)
+    elif is_sharded_checkpoint(path):
+        entries = torch.load(path / META_FILENAME, map_location="cpu", weights_only=weights_only)
+        weights = load_model_weights(path, weights_only)
+    else:
+        raise ValueError(
+            f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME}) nor a"
+            " DeepSpeed one (no checkpoint/ folder): its save never finished, or it is not a checkpoint."
+        )
+    if isinstance(map_location, (str, torch.device)):
+        weights = {k: v.to(map_location) for k, v in weights.items()}
+    checkpoint = {k: v for k, v in entries.items() if k not in RESUME_ONLY}
+    checkpoint[MODEL_KEY] = weights
+    return checkpoint
+
+
+_ADAPTER_FLAG = "_lightning_shard_adapter"
+
+
+def install_load_from_checkpoint() -> bool:
+    """Let ``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read our directories.
+
+    Wraps ``lightning.pytorch.core.saving.pl_load``, once. Returns ``False``, changing nothing, when that
+    name is gone (another Lightning release): ``load_from_checkpoint`` then reads files only, and
+    ``lightning-shard consolidate`` turns a directory into one.
+    """
+    try:
+        from lightning.pytorch.core import saving
+    except ImportError:  # Lightning without its PyTorch half: nothing to adapt
+        return False
+    original = getattr(saving, "pl_load", None)
+    if not callable(original):
+        log.debug("lightning.pytorch.core.saving.pl_load not found: load_from_checkpoint reads files only.")
+        return False
+    if getattr(original, _ADAPTER_FLAG, False):
+        return True
+
+    @functools.wraps(original)
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
+            if is_checkpoint_directory(path_or_url):
+                return load_lightning_checkpoint(path_or_url, map_location, weights_only)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    setattr(pl_load, _ADAPTER_FLAG, True)
+    saving.pl_load = pl_load  # type: ignore[attr-defined]
+    return True
