@@ -123,6 +123,28 @@ def live_process_groups() -> list[Any]:
         return live_process_groups_fallback()
 
 
+def fsdp_is_unsharded(module: Any) -> bool:
+    """Whether an ``FSDPModule`` holds its parameters gathered right now (between unshard and reshard)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+    except AttributeError as error:  # pragma: no cover
+        _unavailable("FSDPModule._get_fsdp_state()._fsdp_param_group", error)()
+    return group is not None and bool(group.is_unsharded)
+
+
+def queue_fsdp_post_backward(root: Any) -> None:
+    """From inside a backward: have FSDP2 reduce every gathered group's gradients when it ends.
+
+    FSDP2 queues this itself from hooks its modules' post-forward leaves on their outputs; a backward
+    that runs inside the root's forward (manual optimization routed through it) meets none of the
+    root's, and the root's gradients would never reach its shards before the optimizer steps.
+    """
+    try:
+        root._get_fsdp_state()._register_root_post_backward_final_callback()
+    except AttributeError as error:  # pragma: no cover
+        _unavailable("FSDPState._register_root_post_backward_final_callback", error)()
+
+
 def refresh_fsdp_groups(module: torch.nn.Module) -> None:
     """Point the modules ``fully_shard`` wrapped at their meshes' current process groups.
 

@@ -9,11 +9,11 @@ and the installed packages can run.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from lightning_shard import offload
+from lightning_shard import _ddp, offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
 
 EngineName = Literal["fsdp", "deepspeed"]
@@ -52,6 +52,8 @@ class ShardConfig:
     """Ranks that split each layer of the plan (the innermost mesh dimension)."""
     tensor_parallel_plan: dict[str, Any] | None = None
     """Module-name pattern -> style; None: the plan the model carries."""
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""
 
     @classmethod
     def from_flags(
@@ -75,6 +77,7 @@ class ShardConfig:
         replicate_size: Any = 1,
         tensor_parallel_size: Any = 1,
         tensor_parallel_plan: Any = None,
+        ddp_kwargs: dict[str, Any] | None = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -108,6 +111,7 @@ class ShardConfig:
         _check_checkpointing(stage, engine_name, checkpointing)
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
+        _ddp.check(ddp_kwargs or {}, stage, engine_name)
         return cls(
             stage=stage,
             engine=engine_name,  # type: ignore[arg-type]
@@ -128,6 +132,7 @@ class ShardConfig:
             replicate_size=replicate_size,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=plan,
+            ddp_kwargs=dict(ddp_kwargs or {}),
         )
 
     def replace(self, **changes: Any) -> ShardConfig:

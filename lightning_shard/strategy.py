@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard import _ddp
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard._preemption import Preemption
@@ -81,6 +82,9 @@ class ShardStrategy(ProcessGroupStrategy):
         tensor_parallel_plan: module-name pattern (``"blocks.*.attn.qkv"``) -> ``"colwise"``, ``"rowwise"``,
             ``"sequence"`` or a torch ``ParallelStyle``; ``None`` uses the plan the model carries (a
             ``tensor_parallel_plan`` attribute, or a Hugging Face ``config.base_model_tp_plan``).
+        **kwargs: Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only
+            (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, any other
+            ``DistributedDataParallel`` argument, ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``).
 
     Models larger than one device: build them under ``trainer.init_module(empty_init=True)`` or in
     ``configure_model``; their parameters stay on the meta device until set-up shards them and
@@ -112,6 +116,7 @@ class ShardStrategy(ProcessGroupStrategy):
         tensor_parallel_plan: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
         self.config = ShardConfig.from_flags(
             stage=stage,
             engine=engine,
@@ -132,6 +137,7 @@ class ShardStrategy(ProcessGroupStrategy):
             replicate_size=replicate_size,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=tensor_parallel_plan,
+            ddp_kwargs=ddp_kwargs,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
@@ -148,6 +154,7 @@ class ShardStrategy(ProcessGroupStrategy):
         self._checkpointed_module: L.LightningModule | None = None
         self._preemption = Preemption()
         self._weights_loaded_into: L.LightningModule | None = None
+        self._empty_init = False  # init_module(empty_init=True) was used: configure_model builds empty too
 
     # --- the validated flags ---------------------------------------------------------------------
 
@@ -219,6 +226,8 @@ class ShardStrategy(ProcessGroupStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
+        # Asked for: configure_model, run later by fit, then builds straight into shards too.
+        self._empty_init = True
         # Parameters on the meta device until set-up shards them (buffers are built as usual).
         with parameters_on_meta(), self.root_device, self.precision_plugin.tensor_init_context():
             yield
@@ -226,7 +235,12 @@ class ShardStrategy(ProcessGroupStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # configure_model: built straight into shards (meta device; DeepSpeed ZeRO-3: zero.Init).
+        # configure_model builds on real memory, as under Lightning's DDP and ModelParallel strategies,
+        # unless the module was built under init_module(empty_init=True): then straight into shards
+        # (parameters on the meta device; DeepSpeed ZeRO-3: zero.Init).
+        if not self._empty_init:
+            yield
+            return
         with self._engine_class.construction_context(self.config, self.precision_plugin):
             yield
 
@@ -311,6 +325,11 @@ class ShardStrategy(ProcessGroupStrategy):
             self._engine.pre_backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
 
     @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._engine is not None and self.model is not None:
+            self._engine.post_backward(self.model, manual=not self._lm.automatic_optimization)
+
+    @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         # Re-made on every fit: the optimizers must hold the parameters of the module as now wrapped.
         self._reset_optimizers_and_schedulers()
@@ -373,6 +392,13 @@ class ShardStrategy(ProcessGroupStrategy):
             assert self.model is not None
             self.engine.step(self.model, optimizer)
             return result
+        result = self._guarded_step(optimizer, closure, model, **kwargs)
+        if not self._lm.automatic_optimization:
+            assert self.model is not None
+            self.engine.after_manual_step(self.model)
+        return result
+
+    def _guarded_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._guard is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         result = closure()

@@ -40,8 +40,9 @@ def _finetune(
     trainer = L.Trainer(
         devices=devices, strategy=strategy, callbacks=[recorder], **trainer_kwargs(max_steps=4)
     )
-    if configure_model:
-        model = CausalLM(_config(), optimizer, build_in_configure_model=True)
+    if configure_model:  # built straight into shards in configure_model: asked for with empty_init=True
+        with trainer.init_module(empty_init=True):
+            model = CausalLM(_config(), optimizer, build_in_configure_model=True)
     else:
         with trainer.init_module(empty_init=devices > 1):
             model = CausalLM(_config(), optimizer)

@@ -1,6 +1,6 @@
 """Models larger than one device: meta-device construction at every stage and both engines.
 
-``trainer.init_module(empty_init=True)`` and ``configure_model`` leave parameters on the meta device;
+``trainer.init_module(empty_init=True)`` (and ``configure_model`` of a module made under it) leave parameters on the meta device;
 set-up shards them, allocates each rank's part and initialises it (``reset_parameters``, then the
 LightningModule's ``init_weights``). Checked: nothing is allocated before set-up, the losses match a
 normally built model's scale, the same seed gives the same run, sharded parameters are not copies
@@ -53,7 +53,9 @@ def _fit(engine: str, stage: int, build: str, seed: int) -> dict[str, Any]:
             model = tiny_gpt()
         on_meta = all(p.is_meta for p in model.parameters())
     else:
-        model = ConfigureModelGPT()
+        # Asked for: a module made under init_module(empty_init=True) builds configure_model's layers empty too.
+        with trainer.init_module(empty_init=True):
+            model = ConfigureModelGPT()
         on_meta = True
     trainer.fit(model, loader(4))
     gpt = model.model

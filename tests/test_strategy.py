@@ -162,3 +162,26 @@ def test_collective_failures_are_recognised_and_reported_with_the_timeout_flag()
     assert "ShardStrategy(timeout=0:00:20)" in str(error) and "training_step" in str(error)
     assert "peer [127.0.0.1]:12198" in str(error)
     assert strategy._timed_out
+
+
+def test_ddp_strategy_options_are_accepted_at_stages_0_and_1_and_refused_elsewhere():
+    import torch
+
+    from lightning_shard import _ddp
+
+    for stage in (0, 1):
+        strategy = ShardStrategy(stage=stage, find_unused_parameters=True, static_graph=False)
+        assert strategy.config.ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}
+    assert ShardStrategy(stage=1).config.ddp_kwargs == {}
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) find_unused_params\. Besides"):
+        ShardStrategy(stage=1, find_unused_params=True)
+    with pytest.raises(
+        ValueError, match=r"find_unused_parameters=True\) are DistributedDataParallel options, used"
+    ):
+        ShardStrategy(stage=3, find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"engine='deepspeed' has no DDP wrapper"):
+        ShardStrategy(stage=1, engine="deepspeed", gradient_as_bucket_view=True)
+    with pytest.raises(
+        ValueError, match=r"ddp_comm_hook=...\) and ShardPrecision\(reduce_dtype=torch.bfloat16\)"
+    ):
+        _ddp.check_comm_hook({"ddp_comm_hook": print}, torch.bfloat16)

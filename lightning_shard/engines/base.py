@@ -154,6 +154,9 @@ class Engine(ABC):
     def pre_backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:  # noqa: B027
         """Called before every backward (``manual``: inside ``training_step``, manual optimization)."""
 
+    def post_backward(self, model: nn.Module, manual: bool) -> None:  # noqa: B027
+        """Called after every backward (``manual``: inside ``training_step``, manual optimization)."""
+
     def backward(self, model: nn.Module, loss: torch.Tensor, manual: bool) -> None:
         """Run backward on ``loss`` (only called when ``owns_step``)."""
         raise NotImplementedError(f"{type(self).__name__} does not own backward")
@@ -161,6 +164,10 @@ class Engine(ABC):
     def step(self, model: nn.Module, optimizer: Optimizer) -> None:
         """Step the optimizer (only called when ``owns_step``)."""
         raise NotImplementedError(f"{type(self).__name__} does not own the optimizer step")
+
+    def after_manual_step(self, model: nn.Module) -> None:  # noqa: B027
+        """An optimizer stepped inside ``training_step`` (manual optimization): whatever the rest of the step
+        runs must see the new weights."""
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:

@@ -183,24 +183,25 @@ class FSDPEngine(Engine):
         return CPUOffloadPolicy(pin_memory=bool(pin))
 
     def _ddp(self, module: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
+        from lightning_shard import _ddp
 
         device = self.mesh.device_type
         device_ids = (
             None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
         )
-        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.mesh.get_group())
+        options = dict(self.config.ddp_kwargs)
         reduce_dtype = self.precision.reduce_dtype
         if reduce_dtype in (torch.bfloat16, torch.float16):
+            _ddp.check_comm_hook(options, reduce_dtype)
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            hook = (
+            options["ddp_comm_hook"] = (
                 default_hooks.bf16_compress_hook
                 if reduce_dtype == torch.bfloat16
                 else default_hooks.fp16_compress_hook
             )
-            ddp.register_comm_hook(self.mesh.get_group(), hook)
-        return ddp
+            options["ddp_comm_state"] = self.mesh.get_group()
+        return _ddp.wrap(module, self.mesh.get_group(), device_ids, options)
 
     # --- training --------------------------------------------------------------------------------
 
@@ -211,10 +212,40 @@ class FSDPEngine(Engine):
         before the step (routed through that forward) has returned, so the reducer is armed here, as
         Lightning's DDP strategy does. FSDP2 needs nothing: its hooks sit on the modules themselves.
         """
-        if manual and self.stage < 2:
+        if manual and self._gathers_across_step and loss.requires_grad:
+            # Inside the root's forward: FSDP2 would not reduce the root's gradients before the step.
+            def queue(grad: torch.Tensor) -> torch.Tensor:
+                _compat.queue_fsdp_post_backward(model)
+                return grad
+
+            loss.register_hook(queue)
+        elif manual and self.stage < 2:
             from lightning.pytorch.overrides.distributed import prepare_for_backward
 
             prepare_for_backward(model, loss)  # type: ignore[arg-type]
+
+    @property
+    def _gathers_across_step(self) -> bool:
+        """FSDP2 wraps the model (stages 2-3, or stage 0 with tensor parallelism through replicate())."""
+        return self.stage >= 2 or self.run.tp_mesh is not None
+
+    def post_backward(self, model: nn.Module, manual: bool) -> None:
+        if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):
+            model.unshard()  # type: ignore[operator]  # the rest of training_step runs in the root's forward
+
+    def after_manual_step(self, model: nn.Module) -> None:
+        """Gather again what FSDP2 holds gathered across the step: the root's parameters for the whole
+        ``training_step`` (it runs inside the root's forward), stage 2's blocks from forward to backward.
+        Those copies predate the step; a second forward in the same ``training_step`` (a GAN's generator
+        through the just-stepped discriminator) would otherwise run on the old weights."""
+        if not self._gathers_across_step:
+            return  # DDP's parameters are the optimizer's own tensors
+        from torch.distributed.fsdp import FSDPModule
+
+        for sub in model.modules():
+            if isinstance(sub, FSDPModule) and _compat.fsdp_is_unsharded(sub):
+                sub.reshard()
+                sub.unshard()
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
