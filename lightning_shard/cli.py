@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _world(args: argparse.Namespace) -> tuple[int, int]:
     """(world size, devices per node) from --gpus or --devices x --nodes."""
-    from lightning_shard.planner.units import PlanInputError
+    from lightning_shard.units import PlanInputError
 
     devices, nodes = args.devices or 1, args.nodes or 1
     if args.gpus is not None and (args.devices or args.nodes) and args.gpus != devices * nodes:
@@ -161,7 +161,7 @@ def _world(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _device_memory(args: argparse.Namespace, per_node: int) -> tuple[int, str | None]:
-    from lightning_shard.planner.units import parse_size
+    from lightning_shard.units import parse_size
 
     if args.gpu_mem is not None:
         return parse_size(args.gpu_mem, "--gpu-mem"), None
@@ -191,7 +191,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
     """The planner's keyword arguments, with every size checked under the flag name the user typed."""
     from lightning_shard.planner.mesh import check_sizes
     from lightning_shard.planner.model import build_on_meta
-    from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count
+    from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count
 
     world, per_node = _world(args)
     check_sizes(world, args.tensor_parallel_size or 1, args.replicate_size or 1, cli=True)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {out}")
     elif args.command == "plan":
-        from lightning_shard.planner.units import PlanInputError
+        from lightning_shard.units import PlanInputError
 
         model_argv = _model_argv(parser, extras, args.model)
         if args.params is None and args.model is None and not (args.layers and args.hidden):

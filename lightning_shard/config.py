@@ -95,7 +95,7 @@ class ShardConfig:
                     f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
                     " Drop device_memory or set stage='auto'."
                 )
-            from lightning_shard.planner.units import parse_size
+            from lightning_shard.units import parse_size
 
             parse_size(device_memory, "ShardStrategy(device_memory)")
         if engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):

@@ -26,7 +26,7 @@ from lightning_shard.planner import (
 )
 from lightning_shard.planner.memory import Config, candidates
 from lightning_shard.planner.model import build_on_meta, shape_from_params
-from lightning_shard.planner.units import PlanInputError, parse_bandwidth, parse_count, parse_size
+from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count, parse_size
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from lightning_shard.planner.memory import Breakdown, Config
 from lightning_shard.planner.model import ModelShape, activation_bytes, build_on_meta, shape_from_module
 from lightning_shard.planner.result import JSON_VERSION, Plan
 from lightning_shard.planner.search import choose_stage, plan
-from lightning_shard.planner.units import PlanInputError
+from lightning_shard.units import PlanInputError
 
 __all__ = [
     "JSON_VERSION",

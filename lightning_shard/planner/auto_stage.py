@@ -21,7 +21,7 @@ from torch import nn
 from lightning_shard._batch import batch_shape as batch_shape_of
 from lightning_shard.planner.device import available_device_memory
 from lightning_shard.planner.search import choose_stage
-from lightning_shard.planner.units import parse_size
+from lightning_shard.units import parse_size
 
 log = logging.getLogger(__name__)
 

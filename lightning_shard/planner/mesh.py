@@ -26,7 +26,7 @@ from dataclasses import replace
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.layout import Layout, LayoutOption
 from lightning_shard.planner.memory import Breakdown, Setting, breakdown
-from lightning_shard.planner.units import PlanInputError, format_bytes
+from lightning_shard.units import PlanInputError, format_bytes
 
 
 def check_sizes(world_size: int, tensor_parallel_size: int, replicate_size: int, cli: bool = False) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_shard._modules import detect_block_classes, find_blocks
-from lightning_shard.planner.units import PlanInputError
+from lightning_shard.units import PlanInputError
 
 Checkpointing = Literal["none", "selective", "full"]
 

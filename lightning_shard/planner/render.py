@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning_shard.planner.layout import Layout, LayoutOption
 from lightning_shard.planner.memory import Breakdown, Config
-from lightning_shard.planner.units import PlanInputError, format_bytes
+from lightning_shard.units import PlanInputError, format_bytes
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 

@@ -9,7 +9,7 @@ from lightning_shard.planner import render
 from lightning_shard.planner.layout import Communication, Layout
 from lightning_shard.planner.memory import Breakdown
 from lightning_shard.planner.model import ModelShape
-from lightning_shard.planner.units import format_bytes, format_count
+from lightning_shard.units import format_bytes, format_count
 
 JSON_VERSION = 1
 

@@ -30,7 +30,7 @@ from lightning_shard.planner.model import (
     shape_from_params,
 )
 from lightning_shard.planner.result import Plan
-from lightning_shard.planner.units import (
+from lightning_shard.units import (
     PlanInputError,
     format_bytes,
     parse_bandwidth,

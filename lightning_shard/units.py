@@ -1,4 +1,4 @@
-"""Reading and writing the quantities a plan is made of: byte sizes, parameter counts, bandwidths.
+"""Reading and writing the quantities flags and plans are made of: byte sizes, parameter counts, bandwidths.
 
 Sizes use SI prefixes as powers of 1000 (``80GB`` = 80e9 bytes) and IEC prefixes as powers of 1024
 (``80GiB`` = 85.9e9 bytes); a bare number is bytes. Parameter counts take K / M / B (billion) / T
