@@ -18,6 +18,7 @@ __all__ = [
     "ActivationCheckpointing",
     "CheckpointLoadError",
     "CollectiveTimeoutError",
+    "EMA",
     "InitWeightsError",
     "MFUMonitor",
     "ShardConfig",
@@ -28,6 +29,7 @@ __all__ = [
 
 _LAZY = {
     "ActivationCheckpointing": "lightning_shard.activation_checkpointing",
+    "EMA": "lightning_shard.averaging",
     "MFUMonitor": "lightning_shard.callbacks",
     "StragglerDetector": "lightning_shard.callbacks",
 }

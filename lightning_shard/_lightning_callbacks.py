@@ -1,0 +1,71 @@
+"""Lightning's own callbacks that cannot work under a sharding layout, refused before the run starts.
+
+Lightning's weight-averaging callbacks keep a whole copy of the model and copy tensors in and out of
+its parameters; Lightning warns (``WeightAveraging``) or refuses (``StochasticWeightAveraging``, for its
+own FSDP and DeepSpeed strategies) but cannot see ShardStrategy's layouts. Checked on 2 gloo ranks
+against DDPStrategy (SGD, 2 ranks; tests/test_ema_multirank.py):
+
+=============================  =============================  =================================================
+callback                       works                          fails
+=============================  =============================  =================================================
+``StochasticWeightAveraging``  FSDP engine, stages 0-1: DDP's  stages 2-3 ("got mixed torch.Tensor and DTensor"),
+                               weights, resumed runs too      DeepSpeed ("DeepSpeedZeroOptimizer is not an
+                                                              Optimizer")
+``WeightAveraging``,           nowhere                        stages 2-3 (DTensor), DeepSpeed (ZeRO-3 parameters
+``EMAWeightAveraging``                                        are size 0 on every rank); at stages 0-1 training
+                                                              runs, but resuming its checkpoint fails: it reads
+                                                              the averages back from the checkpoint's
+                                                              ``state_dict`` entry, which sharded checkpoints keep
+                                                              in their shards and one-file checkpoints key by the
+                                                              DDP-wrapped names
+=============================  =============================  =================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+_FIX = (
+    "Use lightning_shard.EMA(decay=...) instead: it keeps each rank's share of the average beside the weights"
+    " that rank holds, and saves it with the optimizer state."
+)
+
+
+def check_callbacks(trainer: Any, strategy_description: str, stage: int, engine: str) -> None:
+    """Raise ``ValueError`` for a Lightning callback among ``trainer.callbacks`` that cannot work here.
+
+    ``strategy_description`` is how the user wrote the strategy (``"ShardStrategy(stage=3)"``); ``stage`` the
+    resolved ZeRO stage and ``engine`` the resolved engine. Tensor parallelism makes parameters DTensors at
+    any stage: pass ``stage=3`` for the same answer.
+    """
+    for callback in trainer.callbacks:
+        reason = _why_not(callback, stage, engine)
+        if reason is not None:
+            name = type(callback).__name__
+            raise ValueError(
+                f"{strategy_description} cannot run Lightning's {name} callback: {reason}. {_FIX}"
+            )
+
+
+def _why_not(callback: Any, stage: int, engine: str) -> str | None:
+    if isinstance(callback, StochasticWeightAveraging):
+        if engine == "deepspeed":
+            return "it steps the optimizer through torch's SWALR, and DeepSpeed's ZeRO optimizer is not a torch Optimizer"
+        if stage >= 2:
+            return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
+        return None
+    if isinstance(callback, WeightAveraging):
+        if engine == "deepspeed":
+            return (
+                "it copies the model's parameters, which DeepSpeed partitions (ZeRO-3: size 0 on every rank), and a"
+                " run it checkpointed cannot be resumed (DeepSpeed saves the weights apart from Lightning's entries)"
+            )
+        if stage >= 2:
+            return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
+        return (
+            "a run it checkpointed cannot be resumed: it reads the averages back from the checkpoint's 'state_dict'"
+            " entry, which ShardStrategy's checkpoints keep in their shards"
+        )
+    return None
