@@ -101,11 +101,14 @@ def _release_all_at_exit() -> None:
     """At interpreter exit: every live strategy commits its engine's pending checkpoints and releases
     the groups it made, newest first; then the default group, if this package made it."""
     global _world_made
-    try:
-        for key in sorted(_LIVE.keys(), reverse=True):
-            strategy = _LIVE.get(key)
+    for key in sorted(_LIVE.keys(), reverse=True):
+        strategy = _LIVE.get(key)
+        try:
             if strategy is not None:
                 strategy._release_at_exit()
+        except Exception as error:  # noqa: BLE001  (exiting: report, and still release the rest)
+            log.error("ShardStrategy: releasing a strategy's groups at exit failed: %r", error)
+    try:
         if _world_made and _compat.distributed_is_initialized():
             dist.destroy_process_group()
         _world_made = False

@@ -105,6 +105,12 @@ class ShardConfig:
                 f" offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r}). DeepSpeed writes"
                 " its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine for this flag."
             )
+        if engine_name == "deepspeed" and checkpoint == "full":
+            raise ValueError(
+                "ShardStrategy(checkpoint='full') is not available with the DeepSpeed engine, which writes its own"
+                " per-rank checkpoint directory. Use checkpoint='sharded' (then `lightning-shard consolidate` makes"
+                " one file), or engine='fsdp'."
+            )
         checkpointing = ActivationCheckpointing.from_flag(
             activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )

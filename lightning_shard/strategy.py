@@ -1,14 +1,16 @@
 """ShardStrategy: ZeRO stages 0-3 for any LightningModule, on CPU (gloo) and CUDA (nccl).
 
-The strategy owns the process group and the device mesh, validates flags before any process
-starts, and delegates sharding, state dicts and gradient sync to one engine
-(:mod:`lightning_shard.engines`). Checkpoints go through :mod:`lightning_shard.checkpoint`.
+The strategy validates flags before any process starts, builds one engine at set-up
+(:mod:`lightning_shard.engines`) and delegates sharding, state dicts and gradient sync to it. Its other
+jobs live in the modules named for them: processes, groups and collectives in
+:mod:`lightning_shard._processes`, step hooks in :mod:`lightning_shard._steps`, checkpoint hooks in
+:mod:`lightning_shard._checkpoint_hooks` (over :mod:`lightning_shard.checkpoint`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -16,18 +18,16 @@ from typing import Any, Literal
 
 import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from torch import Tensor
-from torch.optim import Optimizer
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_shard import _ddp
+from lightning_shard._checkpoint_hooks import CheckpointHooks
+from lightning_shard._lightning_callbacks import check_callbacks
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard._preemption import Preemption
-from lightning_shard._processes import ProcessGroupStrategy, guarded
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.config import CheckpointMode, EngineFlag, ShardConfig
 from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
@@ -40,7 +40,7 @@ from lightning_shard.precision import ShardPrecision, to_shard_precision
 log = logging.getLogger(__name__)
 
 
-class ShardStrategy(ProcessGroupStrategy):
+class ShardStrategy(CheckpointHooks):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
     What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md
@@ -206,19 +206,6 @@ class ShardStrategy(ProcessGroupStrategy):
 
     # --- model side -------------------------------------------------------------------------------
 
-    @property
-    def _lm(self) -> L.LightningModule:
-        assert self.lightning_module is not None
-        return self.lightning_module
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            raise RuntimeError(
-                "ShardStrategy.engine is only available once the Trainer has set the model up."
-            )
-        return self._engine
-
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -263,6 +250,17 @@ class ShardStrategy(ProcessGroupStrategy):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Lightning's averaging callbacks that cannot work on this layout: refused before any step.
+            stage = self.config.resolved_stage
+            check_callbacks(
+                trainer,
+                f"ShardStrategy(stage={stage}, engine={self.engine_name!r})",
+                3
+                if self.config.tensor_parallel_size > 1
+                else stage,  # tensor parallel: DTensors at any stage
+                self.engine_name,
+            )
         if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
             # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
@@ -300,35 +298,6 @@ class ShardStrategy(ProcessGroupStrategy):
         super().on_train_start()
         self._preemption.install(self._lm.trainer)
 
-    @property
-    @override
-    def handles_gradient_accumulation(self) -> bool:
-        # An engine that owns the step counts micro-batches itself and steps at the boundary.
-        return self._engine_class.owns_step
-
-    @override
-    @guarded
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if not self.engine.owns_step:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
-        assert self.model is not None
-        self.engine.backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._engine is not None and self.model is not None:
-            self._engine.pre_backward(self.model, closure_loss, manual=not self._lm.automatic_optimization)
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self._engine is not None and self.model is not None:
-            self._engine.post_backward(self.model, manual=not self._lm.automatic_optimization)
-
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         # Re-made on every fit: the optimizers must hold the parameters of the module as now wrapped.
@@ -343,93 +312,11 @@ class ShardStrategy(ProcessGroupStrategy):
             self.model, list(self.optimizers), schedulers, settings
         )
 
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # Wrappers act in the model's forward, but Lightning calls training_step (and the others):
-        # the engine says when a step must be routed through forward (parameters gathered, gradients
-        # reduced).
-        module, model = self._lm, self.model
-        assert model is not None
-        if self.engine.routes_through_forward(model, module):
-            return self.engine.forward_redirection(model, module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
-
-    @override
-    @guarded
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._preemption.agree(self.root_device)
-        with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
-
-    @override
-    @guarded
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
-
-    @override
-    @guarded
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
-
-    @override
-    @guarded
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
-
-    @override
-    @guarded
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.engine.owns_step:
-            result = closure()
-            self.precision_plugin._after_closure(self._lm, optimizer)
-            assert self.model is not None
-            self.engine.step(self.model, optimizer)
-            return result
-        result = self._guarded_step(optimizer, closure, model, **kwargs)
-        if not self._lm.automatic_optimization:
-            assert self.model is not None
-            self.engine.after_manual_step(self.model)
-        return result
-
-    def _guarded_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self._guard is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        result = closure()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        # With a loss scaler, inf gradients are the scaler's business (it backs off and skips).
-        check_grads = self.precision_plugin.scaler is None
-        if self._guard.should_skip(result, params, self.root_device, check_grads):
-            optimizer.zero_grad(set_to_none=True)
-            self._guard.report(self._lm.trainer, self.is_global_zero)
-            return None
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-
     def state_bytes(self) -> dict[str, Any]:
         """This rank's bytes of model state: ``{"parameters" | "gradients" | "optimizer": {"accelerator",
         "host", "nvme"}, "total": int}``, the same shape for every engine."""
         assert self.model is not None
         return self.engine.state_bytes(self.model, self.optimizers).as_dict()
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far because of non-finite values (``skip_nonfinite=True``)."""
-        return self._guard.total if self._guard is not None else 0
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._engine is None or self.model is None:
-            yield
-            return
-        with self._engine.no_sync(self.model):
-            yield
 
     @override
     def teardown(self) -> None:
@@ -458,70 +345,3 @@ class ShardStrategy(ProcessGroupStrategy):
             except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
                 log.error("ShardStrategy: engine teardown at exit failed: %r", error)
         super()._release_at_exit()
-
-    # --- checkpoints -----------------------------------------------------------------------------
-
-    @property
-    def _full(self) -> bool:
-        return self.config.checkpoint == "full"
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return self.engine.model_state_dict(self.model, full=self._full)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        assert self.model is not None
-        return self.engine.optimizer_state_dict(self.model, optimizer, full=self._full)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint(), straight into the sharded layout
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint()
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
-            )
-        if self._timed_out:
-            # The ranks no longer agree on anything: writing would hang until the timeout again.
-            log.error(
-                "ShardStrategy: checkpoint %s NOT written: a collective failed before it (see the error);"
-                " resume from the last committed checkpoint.",
-                filepath,
-            )
-            return
-        trainer = self._lm.trainer if self.lightning_module is not None else None
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        self._save_checkpoint(checkpoint, filepath, exception=interrupted)
-        if interrupted:
-            # An exception checkpoint (OnExceptionCheckpoint, SIGTERM): committed before the job goes on
-            # to exit, not left to a background thread.
-            self.engine.wait_for_checkpoints()
-
-    @guarded
-    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        path = Path(self.broadcast(str(filepath)))
-        assert self.model is not None
-        self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self.engine.remove_checkpoint(Path(filepath))
-
-    @override
-    @guarded
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None
-        return self.engine.load_checkpoint(self.model, self.optimizers, path)

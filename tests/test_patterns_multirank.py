@@ -119,3 +119,94 @@ def test_a_model_built_in_configure_model_trains_as_under_ddp(engine):
     ddp = out.pop("ddp")
     for name, losses in out.items():
         torch.testing.assert_close(losses, ddp, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{engine} {n}: {m}")
+
+
+def _averaging_refused() -> str:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(stage=3),
+        callbacks=[EMAWeightAveraging()],
+        **trainer_kwargs(max_steps=1),
+    )
+    try:
+        trainer.fit(CausalLM(tiny_llama_config(), "sgd"), loader(4))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_lightnings_weight_averaging_is_refused_at_setup_naming_lightning_shard_ema():
+    message = run_ranks(_averaging_refused)[0]
+    assert "ShardStrategy(stage=3, engine='fsdp') cannot run Lightning's EMAWeightAveraging" in message
+    assert "lightning_shard.EMA" in message
+
+
+class LoRALM(CausalLM):
+    """A Hugging Face Llama under peft LoRA adapters: only the adapters train, the base stays frozen."""
+
+    def __init__(self) -> None:
+        import peft
+
+        torch.manual_seed(0)
+        super().__init__(tiny_llama_config(), "sgd")
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        self.model = peft.get_peft_model(self.model, config)
+        with torch.no_grad():  # non-zero adapters, so the base's gradients would be non-zero too
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.02)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+
+def _already_right(engine: str) -> dict[str, Any]:
+    """peft LoRA, Hugging Face's own gradient checkpointing, and a second Trainer on a model already
+    sharded by a first one, each under DDP and ShardStrategy."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.helpers import full_weights
+
+    def fit(trainer_strategy: Any, model: L.LightningModule, steps: int = 3) -> list[float]:
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=2, strategy=trainer_strategy, callbacks=[recorder], **trainer_kwargs(max_steps=steps)
+        )
+        trainer.fit(model, loader(4))
+        model._last_trainer = trainer  # type: ignore[attr-defined]
+        return recorder.losses
+
+    makers: dict[str, Any] = {"ddp": DDPStrategy}
+    for stage in (1, 3):
+        makers[f"stage{stage}"] = lambda stage=stage: ShardStrategy(stage=stage, engine=engine)
+    out: dict[str, Any] = {}
+    for name, make in makers.items():
+        lora = LoRALM()
+        frozen = {k: v.detach().clone() for k, v in lora.model.named_parameters() if not v.requires_grad}
+        out[name, "lora"] = fit(make(), lora)
+        after = full_weights(lora._last_trainer)
+        out[name, "lora_base_unchanged"] = all(
+            torch.equal(after[f"model.{k}"], v) for k, v in frozen.items() if f"model.{k}" in after
+        )
+        torch.manual_seed(0)
+        checkpointed = CausalLM(tiny_llama_config(), "sgd")
+        checkpointed.model.gradient_checkpointing_enable()
+        out[name, "hf_checkpointing"] = fit(make(), checkpointed)
+        torch.manual_seed(0)
+        twice = CausalLM(tiny_llama_config(), "sgd")
+        out[name, "first_trainer"] = fit(make(), twice, steps=2)
+        out[name, "second_trainer"] = fit(make(), twice, steps=2)  # a new Trainer and strategy, same model
+    return out
+
+
+@pytest.mark.parametrize("engine", ["fsdp"])
+def test_lora_hf_checkpointing_and_a_second_trainer_train_as_under_ddp(engine):
+    pytest.importorskip("peft")
+    out = run_ranks(_already_right, engine)[0]
+    for (name, case), got in out.items():
+        if case == "lora_base_unchanged":
+            assert got is True, name
+            continue
+        torch.testing.assert_close(got, out["ddp", case], rtol=1e-5, atol=0, msg=lambda m, w=(name, case): f"{w}: {m}")

@@ -108,6 +108,12 @@ def test_main_job_and_consolidate(tmp_path):
     from lightning_shard.demos import GPTModule
 
     GPTModule(n_layers=2).load_state_dict(weights)
+    # The sharded checkpoint itself, as the README loads it: weights and hyper-parameters.
+    assert 'GPTModule.load_from_checkpoint("outputs/zero3/checkpoints/last.ckpt")' in README
+    model = GPTModule.load_from_checkpoint(last)
+    assert model.hparams["n_layers"] == 2
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
 
 
 def test_every_stage_config_parses():

@@ -185,3 +185,11 @@ def test_ddp_strategy_options_are_accepted_at_stages_0_and_1_and_refused_elsewhe
         ValueError, match=r"ddp_comm_hook=...\) and ShardPrecision\(reduce_dtype=torch.bfloat16\)"
     ):
         _ddp.check_comm_hook({"ddp_comm_hook": print}, torch.bfloat16)
+
+
+@pytest.mark.deepspeed
+def test_one_file_checkpoints_are_refused_with_the_deepspeed_engine_instead_of_ignored():
+    with pytest.raises(ValueError, match=r"checkpoint='full'\) is not available with the DeepSpeed engine"):
+        ShardStrategy(stage=3, engine="deepspeed", checkpoint="full")
+    with pytest.raises(ValueError, match=r"checkpoint='full'\) is not available with the DeepSpeed engine"):
+        ShardStrategy(stage=2, offload_optimizer="cpu", checkpoint="full")  # engine="auto" picks DeepSpeed

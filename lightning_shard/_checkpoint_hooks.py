@@ -1,0 +1,95 @@
+"""ShardStrategy's side of Lightning's checkpoint hooks: the engine writes and reads every kind.
+
+Lightning asks the strategy for the model and optimizer state and hands it the dict to save or the
+path to load; here each goes to the engine (sharded DCP directories, one-file checkpoints, DeepSpeed's
+directories, async saves), committed atomically by :mod:`lightning_shard.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerStatus
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard._processes import guarded
+from lightning_shard._steps import EngineSteps
+from lightning_shard.config import ShardConfig
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointHooks(EngineSteps):
+    """Save, load and remove checkpoints through the engine."""
+
+    config: ShardConfig
+
+    @property
+    def _full(self) -> bool:
+        return self.config.checkpoint == "full"
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self.engine.model_state_dict(self.model, full=self._full)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return self.engine.optimizer_state_dict(self.model, optimizer, full=self._full)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint(), straight into the sharded layout
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
+            )
+        if self._timed_out:
+            # The ranks no longer agree on anything: writing would hang until the timeout again.
+            log.error(
+                "ShardStrategy: checkpoint %s NOT written: a collective failed before it (see the error);"
+                " resume from the last committed checkpoint.",
+                filepath,
+            )
+            return
+        trainer = self._lm.trainer if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        self._save_checkpoint(checkpoint, filepath, exception=interrupted)
+        if interrupted:
+            # An exception checkpoint (OnExceptionCheckpoint, SIGTERM): committed before the job goes on
+            # to exit, not left to a background thread.
+            self.engine.wait_for_checkpoints()
+
+    @guarded
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        assert self.model is not None
+        self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.engine.remove_checkpoint(Path(filepath))
+
+    @override
+    @guarded
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        return self.engine.load_checkpoint(self.model, self.optimizers, path)
