@@ -8,6 +8,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -321,6 +322,194 @@ def test_hf_style_kv_cache_names_use_cache() -> None:
     out = model(**hf_inputs(), use_cache=True, cache=[])
     with pytest.raises(RecomputeMismatchError, match=r"block 'layers\.\d' \(HFStyleLayer\).*use_cache=False"):
         out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# No model change needed: Hugging Face caches, BatchNorm statistics, random ops in the save list
+# ---------------------------------------------------------------------------------------------- #
+
+
+def hf_model(kind: str) -> nn.Module:
+    """A Hugging Face causal LM at its default config: use_cache=True (and GPT-2's dropout on)."""
+    import transformers
+
+    from tests.helpers import tiny_llama_config
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+        return transformers.GPT2LMHeadModel(config)
+    return transformers.LlamaForCausalLM(tiny_llama_config())
+
+
+def cache_of(output: Any) -> Any:
+    return output.get("cache", output.get("past_key_values"))  # the key's name differs across versions
+
+
+def hf_loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict, Any]:
+    torch.manual_seed(2)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads, cache_of(out)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_hugging_face_default_config_trains_checkpointed_without_cache(kind: str, policy: str) -> None:
+    from lightning_shard.activation_checkpointing import cache as cache_module
+
+    model, ids = hf_model(kind).train(), tokens(seq_len=16) % 64
+    assert model.config.use_cache
+    loss, ref, ref_cache = hf_loss_and_grads(copy.deepcopy(model), ids)
+    assert ref_cache is not None  # the default: a cache built in training too
+    apply_activation_checkpointing(model, policy)
+    cache_module._warned.clear()
+    with pytest.warns(UserWarning, match=r"runs its training forwards with use_cache=False") as caught:
+        got_loss, grads, got_cache = hf_loss_and_grads(model, ids)
+        model.zero_grad()
+        hf_loss_and_grads(model, ids)
+    assert len([w for w in caught if "use_cache=False" in str(w.message)]) == 1  # logged once
+    assert got_cache is None
+    assert torch.equal(got_loss, loss)
+    assert_same_grads(ref, grads)
+    assert model.config.use_cache  # the config, saved with the model, is not changed
+    # Evaluation, and a training-mode forward without grad (generate() during training), keep the cache.
+    with torch.no_grad():
+        assert cache_of(model(input_ids=ids)) is not None
+        assert cache_of(model.eval()(input_ids=ids)) is not None
+    model.train()
+    # Asked for explicitly, in training with grad: refused as Hugging Face's gradient checkpointing refuses it.
+    assert cache_of(model(input_ids=ids, use_cache=True)) is None
+    remove_activation_checkpointing(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert cache_of(model(input_ids=ids)) is not None
+
+
+def test_cache_hook_only_on_modules_whose_forward_takes_use_cache() -> None:
+    """A LightningModule keeping a Hugging Face config as self.config takes no use_cache: only the model does."""
+    from lightning_shard.activation_checkpointing.cache import NoCacheInTraining
+
+    class Holder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = hf_model("llama")
+            self.config = self.model.config
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids).logits
+
+    holder = Holder()
+    apply_activation_checkpointing(holder, "full")
+    hooked = {
+        n
+        for n, m in holder.named_modules()
+        if any(isinstance(h, NoCacheInTraining) for h in m._forward_pre_hooks.values())
+    }
+    assert hooked == {"model", "model.model"}
+    holder(tokens(seq_len=8) % 64).sum().backward()
+    # Pickles and deep-copies with the hook (a class, not a closure).
+    torch.save(copy.deepcopy(holder.model), io.BytesIO())
+
+
+class BNBlock(nn.Module):
+    def __init__(self, d: int = 16, frozen_bn: bool = False) -> None:
+        super().__init__()
+        self.lin, self.bn, self.drop = nn.Linear(d, d), nn.BatchNorm1d(d), nn.Dropout(0.2)
+        self.frozen_bn = frozen_bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen_bn:
+            self.bn.eval()  # fine-tuning habit: running statistics used and saved for backward, not updated
+        return self.drop(torch.relu(self.bn(self.lin(x))))  # (b, d)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "memory_budget"])
+@pytest.mark.parametrize("frozen_bn", [False, True])
+def test_batchnorm_statistics_move_once_per_step(policy: str, frozen_bn: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(BNBlock(frozen_bn=frozen_bn) for _ in range(3)))
+    x = torch.randn(8, 16)
+    config = ActivationCheckpointing(memory_budget=1.0) if policy == "memory_budget" else policy
+
+    def steps(m: nn.Module) -> tuple[dict, dict]:
+        for _ in range(2):
+            m.zero_grad()
+            _, grads = loss_and_grads(m, x)
+        return grads, {k: v.clone() for k, v in m.state_dict().items()}
+
+    ref_grads, ref_state = steps(copy.deepcopy(model))
+    grads, state = steps(checkpointed_copy(model, config))
+    assert_same_grads(ref_grads, grads)
+    assert state.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
+    if not frozen_bn:
+        assert int(state["0.bn.num_batches_tracked"]) == 2
+
+
+def test_measure_leaves_batchnorm_statistics() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(BNBlock(), BNBlock())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measure(model, torch.randn(8, 16))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class RandomOpsBlock(nn.Module):
+    """A listed random op (native_dropout) before an unlisted one (nn.Dropout): both draw from one stream."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = torch.ops.aten.native_dropout.default(self.a(x), 0.5, True)
+        return x + self.drop(self.b(h))
+
+
+def test_random_ops_are_recomputed_even_when_listed() -> None:
+    """A stored random op would be skipped in the recompute, shifting every later dropout mask."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(RandomOpsBlock(), RandomOpsBlock()), torch.randn(2, 8, 16)
+    _, ref = loss_and_grads(copy.deepcopy(model), x)
+    config = ActivationCheckpointing(save_ops=["aten.native_dropout.default", "aten.addmm.default"])
+    _, grads = loss_and_grads(checkpointed_copy(model, config), x)
+    assert_same_grads(ref, grads)
+
+
+def test_fused_attention_is_stored_without_dropout_and_recomputed_with_it() -> None:
+    from lightning_shard.activation_checkpointing.policy import draws_random_numbers
+
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.empty(1, 1, 4, 8)
+    assert not draws_random_numbers(attention, (q, q, q, None, True), {})
+    assert not draws_random_numbers(attention, (q, q, q, None, True, 0.0), {})
+    assert draws_random_numbers(attention, (q, q, q, None, True, 0.1), {})
+    assert draws_random_numbers(attention, (q, q, q, None, True), {"dropout_p": 0.1})
+    assert draws_random_numbers(torch.ops.aten.native_dropout.default, (q, 0.5, True), {})
+    assert not draws_random_numbers(torch.ops.aten.mm.default, (q, q), {})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_attention_dropout_gradients_equal(dtype: torch.dtype) -> None:
+    """GPT-2's default attention dropout runs inside the fused CUDA kernel: selective must not store it."""
+    ids = (tokens(batch=8, seq_len=16) % 64).cuda()
+
+    def grads(model: nn.Module) -> dict:
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = grads(hf_model("gpt2").cuda().train())
+    for policy in ("full", "selective"):
+        model = hf_model("gpt2").cuda().train()
+        apply_activation_checkpointing(model, policy)
+        got = grads(model)
+        for name, value in reference.items():
+            assert torch.equal(got[name], value), f"{policy}: {name}"
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -15,7 +15,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
@@ -32,6 +33,7 @@ from lightning_shard.callbacks._peaks import (
     probe_cpu_peak,
     table_peak,
 )
+from lightning_shard.callbacks.throughput import ThroughputMonitorFlops, feed_throughput_monitor
 from lightning_shard.demos import GPT, GPTModule
 
 SEQ, D, LAYERS, HEADS, VOCAB, BATCH = 32, 32, 2, 2, 256, 4
@@ -144,19 +146,41 @@ def test_auto_flops_equal_analytic_and_flop_counter_mode():
     assert monitor.counted["units"] == tokens
 
 
-def test_auto_counting_leaves_training_untouched():
-    """Counting rides on the real first step: same parameters, with or without the monitor (dropout on)."""
+@pytest.mark.parametrize("peak_flops", [1e12, None], ids=["given_peak", "cpu_probe"])
+def test_auto_counting_leaves_training_untouched(peak_flops: float | None):
+    """Counting rides on the real first step, and the CPU probe draws from its own generator: same losses
+    and parameters with or without the monitor (dropout on), no mode or hook left behind."""
+    from torch.nn.modules import module as nn_module
 
-    def train(callbacks: list) -> dict[str, torch.Tensor]:
+    def train(callbacks: list) -> tuple[list[float], dict[str, torch.Tensor]]:
         L.seed_everything(0, verbose=False)
         module = ClockedGPT(dropout=0.1)
-        fit(module, loader(), callbacks, max_steps=3)
-        return {k: v.clone() for k, v in module.state_dict().items()}
+        losses = StepLosses()
+        fit(module, loader(), [losses, *callbacks], max_steps=3)
+        return losses.losses, {k: v.clone() for k, v in module.state_dict().items()}
 
-    with_monitor = train([MFUMonitor(peak_flops=1e12, log_every_n_steps=1)])
+    hooks = [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks]
+    hooks_before = [dict(h) for h in hooks]
+    with_monitor = train([MFUMonitor(peak_flops=peak_flops, log_every_n_steps=1)])
     without = train([])
-    assert all(torch.equal(with_monitor[k], without[k]) for k in without)
+    assert with_monitor[0] == without[0] and len(without[0]) == 3
+    assert all(torch.equal(with_monitor[1][k], without[1][k]) for k in without[1])
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    assert [dict(h) for h in hooks] == hooks_before  # the counter's module tracker took its hooks away
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+def test_cpu_probe_leaves_the_random_stream_alone():
+    state = torch.get_rng_state()
+    probe_cpu_peak("fp32", size=16, budget_s=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_counter_leaves_no_dispatch_mode_after_an_exception():
@@ -550,7 +574,7 @@ def test_callbacks_package_exports_the_monitors_and_imports_no_engine():
     import lightning_shard
     import lightning_shard.callbacks as callbacks
 
-    assert callbacks.__all__ == ["MFUMonitor", "StragglerDetector"]
+    assert {"MFUMonitor", "StragglerDetector"} <= set(callbacks.__all__)
     assert lightning_shard.MFUMonitor is callbacks.MFUMonitor is MFUMonitor
     assert lightning_shard.StragglerDetector is callbacks.StragglerDetector
     # Callbacks work with any strategy: they reach other ranks only through trainer.strategy, so no
@@ -570,3 +594,151 @@ def test_callbacks_package_exports_the_monitors_and_imports_no_engine():
                     name == f or name.startswith(f + ".") for f in forbidden
                 )
                 assert not bad, f"callbacks/{path.name} imports {name}"
+
+
+# --- Lightning's ThroughputMonitor gets FLOPs and a peak -------------------------------------------
+
+
+class MemoryLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class SeenFlops(L.Callback):
+    """``pl_module.flops_per_batch`` as Lightning's ThroughputMonitor reads it: at each batch end."""
+
+    def __init__(self) -> None:
+        self.train: list[Any] = []
+        self.validation: list[Any] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.train.append(getattr(pl_module, "flops_per_batch", "missing"))
+
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
+        self.validation.append(getattr(pl_module, "flops_per_batch", "missing"))
+
+
+class ValidatedGPT(ClockedGPT):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+def throughput_fit(module: L.LightningModule, callbacks: list, **kwargs) -> tuple[MemoryLogger, SeenFlops]:
+    logger, seen = MemoryLogger(), SeenFlops()
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[monitor, *callbacks, seen],
+        logger=logger,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(module, loader(), loader())
+    return logger, seen
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_throughput_monitor_gets_counted_flops_and_the_cpu_peak(
+    monkeypatch: pytest.MonkeyPatch, accumulate: int
+):
+    monkeypatch.setattr(mfu_module, "probe_cpu_peak", lambda dtype: 1e12)
+    module, feed = ValidatedGPT(), ThroughputMonitorFlops()
+    logger, seen = throughput_fit(
+        module,
+        [feed],
+        max_steps=4 // accumulate,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=2,
+        val_check_interval=2,
+    )
+    model_flops = analytic_model_flops(BATCH * SEQ)
+    # Published before the first batch end where a step counted it; a first batch that only accumulates
+    # is known from the next batch on.
+    expected_first = model_flops if accumulate == 1 else None
+    assert seen.train == [expected_first, model_flops, model_flops, model_flops]
+    assert seen.validation and all(v == model_flops // 3 for v in seen.validation)  # forward only: 2N of 6N
+    assert module.flops_per_batch is None  # no stale number after the fit
+    mfu = [
+        (m["train/device/mfu"], m["train/device/flops_per_sec"])
+        for m in logger.metrics
+        if "train/device/mfu" in m
+    ]
+    assert mfu and all(value == flops_per_sec / 1e12 for value, flops_per_sec in mfu)
+    assert feed._first.counted["model_flops"] == model_flops
+
+
+def test_throughput_monitor_flops_shared_with_mfu_monitor(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(mfu_module, "probe_cpu_peak", lambda dtype: 1e12)
+    monitor, feed = MFUMonitor(), ThroughputMonitorFlops()
+    _, seen = throughput_fit(ValidatedGPT(), [monitor, feed], max_steps=3)
+    assert feed._first.counted is None  # the MFUMonitor's count of the same step is used, not repeated
+    assert seen.train == [monitor.counted["model_flops"]] * 3
+
+
+def test_throughput_monitor_flops_keeps_what_the_user_gave():
+    module = ValidatedGPT()
+    module.flops_per_batch = 777
+    logger, seen = throughput_fit(module, [ThroughputMonitorFlops(peak_flops=1e9)], max_steps=3)
+    assert seen.train == [777] * 3 and module.flops_per_batch == 777
+    assert any(m.get("train/device/mfu") for m in logger.metrics)  # the peak was filled in, the FLOPs kept
+    # A peak Lightning knows is kept too.
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    monitor.available_flops = 5
+    trainer = SimpleNamespace(callbacks=[monitor])
+    ThroughputMonitorFlops(peak_flops=1e9).on_fit_start(trainer, ClockedGPT())  # type: ignore[arg-type]
+    assert monitor.available_flops == 5
+
+
+def test_feed_throughput_monitor_attaches_once_and_only_for_a_throughput_monitor():
+    assert feed_throughput_monitor(SimpleNamespace(callbacks=[MFUMonitor()])) is None  # type: ignore[arg-type]
+    trainer = SimpleNamespace(callbacks=[ThroughputMonitor(batch_size_fn=len)])
+    feed = feed_throughput_monitor(trainer)  # type: ignore[arg-type]
+    assert isinstance(feed, ThroughputMonitorFlops) and trainer.callbacks[-1] is feed
+    assert feed_throughput_monitor(trainer) is feed and len(trainer.callbacks) == 2  # type: ignore[arg-type]
+    own = ThroughputMonitorFlops()
+    trainer = SimpleNamespace(callbacks=[ThroughputMonitor(batch_size_fn=len), own])
+    assert feed_throughput_monitor(trainer) is own and len(trainer.callbacks) == 2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "fast"])
+def test_bad_throughput_peak_flops(value):
+    with pytest.raises(
+        ValueError, match=r"ThroughputMonitorFlops\(peak_flops=.*\) must be a positive number"
+    ):
+        ThroughputMonitorFlops(peak_flops=value)
+
+
+def test_docs_throughput_example_runs(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(mfu_module, "probe_cpu_peak", lambda dtype: 1e12)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "monitoring.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[1]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/monitoring.md", "exec"), namespace)
+    monitor, seen = namespace["callbacks"][0], SeenFlops()
+    fit(ClockedGPT(), loader(), [*namespace["callbacks"], seen], max_steps=3)
+    # Lightning's default window (100 batches) is longer than this run: what it was given is checked.
+    assert monitor.available_flops == 1e12
+    assert seen.train == [analytic_model_flops(BATCH * SEQ)] * 3

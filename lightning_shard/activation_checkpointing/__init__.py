@@ -25,6 +25,7 @@ Modules, each importing only those above it:
 ``wrap``        ``CheckpointedForward``: one block's forward under ``torch.utils.checkpoint``
 ``measure``     ``measure(module, batch)``: activation bytes and FLOPs of one step
 ``budget``      ``memory_budget``: a per-block mix of modes, measured on the first step
+``cache``       no key/value cache in training forwards of a checkpointed Hugging Face model
 ``blocks``      which blocks to patch; already-checkpointed checks; undoing it
 ``callback``    ``ActivationCheckpointing`` and ``apply_activation_checkpointing``
 ==============  ===========================================================================

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_shard._modules import detect_block_classes, find_blocks
+from lightning_shard.activation_checkpointing.cache import restore_cache
 from lightning_shard.activation_checkpointing.wrap import unwrap, wrapper_of
 
 
@@ -71,6 +72,7 @@ def check_not_checkpointed(module: nn.Module) -> None:
 
 def remove_activation_checkpointing(module: nn.Module) -> list[nn.Module]:
     """Undo :func:`apply_activation_checkpointing`; return the blocks that got their own forward back."""
+    restore_cache(module)
     return [m for m in module.modules() if unwrap(m)]
 
 

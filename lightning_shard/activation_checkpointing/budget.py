@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_shard.activation_checkpointing.measure import allocated_by, device_of
 from lightning_shard.activation_checkpointing.modes import BlockMode
 from lightning_shard.activation_checkpointing.policy import MATMUL_OVERLOADS
-from lightning_shard.activation_checkpointing.wrap import CheckpointedForward
+from lightning_shard.activation_checkpointing.wrap import CheckpointedForward, buffers_kept
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,11 @@ def estimate_block(
     """Bytes each mode leaves allocated for one block on these inputs, and the FLOPs it would recompute."""
     device = device_of(wrapper.block, args, kwargs)
     nbytes: dict[str, int] = {}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+    # Extra forwards of the block on the first step: they must draw no random number and move no running statistic.
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type),
+        buffers_kept(wrapper.block),
+    ):
         for mode in modes:
             fresh_args, fresh_kwargs = _detached((args, kwargs))
             output, nbytes[mode] = allocated_by(

@@ -22,6 +22,7 @@ from lightning_shard.activation_checkpointing.blocks import (
     checkpointed_blocks,
 )
 from lightning_shard.activation_checkpointing.budget import BlockPlan, BudgetPlanner
+from lightning_shard.activation_checkpointing.cache import disable_cache_in_training
 from lightning_shard.activation_checkpointing.policy import SaveMatmuls, op_names, resolve_save_ops
 from lightning_shard.activation_checkpointing.wrap import CheckpointedForward, wrapper_of
 
@@ -178,7 +179,8 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Patch ``module``'s blocks in place to run under activation checkpointing; return the patched blocks.
 
-    Call it before sharding (``fully_shard``) or DDP wrapping. Parameter names are unchanged.
+    Call it before sharding (``fully_shard``) or DDP wrapping. Parameter names are unchanged. A Hugging Face
+    model around the blocks runs its training forwards with ``use_cache=False`` (see :mod:`.cache`).
     Raises ``ValueError`` if the model is already checkpointed (by this function, torch's
     ``checkpoint_wrapper`` or Hugging Face ``gradient_checkpointing``) or no block matches.
     """
@@ -212,6 +214,7 @@ def apply_activation_checkpointing(
             planner.add(wrapper)
         block.forward = wrapper  # type: ignore[method-assign]
         patched.append(block)
+    disable_cache_in_training(module, patched)
     return patched
 
 

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_shard.activation_checkpointing.flops import count_recompute_flops
+from lightning_shard.activation_checkpointing.wrap import buffers_kept
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,15 @@ def measure(module: nn.Module, batch: Any) -> Measurement:
     ``batch`` is the module's input: a tensor is passed as ``module(batch)``, a tuple or list as
     ``module(*batch)`` and a dict as ``module(**batch)``. The loss is the sum of all floating-point
     outputs; gradients are taken with ``torch.autograd.grad``, so ``.grad`` of the parameters is left
-    untouched, and the RNG state is restored afterwards, so measuring does not change a training run.
+    untouched, and the RNG state and the buffers (BatchNorm running statistics) are restored afterwards, so
+    measuring does not change a training run.
     """
     args, kwargs = _as_call(batch)
     device = device_of(module, args, kwargs)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type),
+        buffers_kept(module),
+    ):
         # Warm-up: lazy initialisation and any memory_budget planning happen here, not in the measured pass.
         module(*args, **kwargs)
         output, activation_bytes = allocated_by(lambda: module(*args, **kwargs), device)

@@ -8,7 +8,9 @@ Which ops to store: the ones whose outputs are expensive to recompute relative t
 A matmul ``(m, k) @ (k, n)`` costs ``2mkn`` FLOPs for ``mn`` output elements, i.e. ``2k`` FLOPs per
 stored element; a layer norm, GELU or residual add costs a handful of FLOPs per element. So the
 default list keeps matmuls, attention kernels (quadratic in sequence length) and collectives
-(recomputing them would repeat network traffic), and recomputes everything elementwise.
+(recomputing them would repeat network traffic), and recomputes everything elementwise. An op
+that draws random numbers in a call (attention with ``dropout_p > 0``) is recomputed even when listed:
+see :func:`draws_random_numbers`.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class _SavePolicy:
         self.matmuls_seen = {False: 0, True: 0}  # keyed by ctx.is_recompute: both passes must agree
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op not in self.save_ops:
+        if op not in self.save_ops or draws_random_numbers(op, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if self.every_other and op in MATMUL_OVERLOADS:
             self.matmuls_seen[ctx.is_recompute] += 1
@@ -124,6 +126,26 @@ class _SavePolicy:
             if self.matmuls_seen[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
+
+
+def draws_random_numbers(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of ``op`` consumes the random stream: such an op is recomputed, never stored.
+
+    The recompute replays the block from the random state its forward started with. A stored op is
+    skipped there, so it would not advance the generator, and every random op after it in the block
+    (a dropout after the attention) would draw a different mask than in the forward: wrong gradients,
+    no error. Seen with fused attention and ``dropout_p > 0`` on CUDA (GPT-2's default attention
+    dropout). Fused attention kernels are tagged as seeded whether or not they drop anything, so for
+    them the ``dropout_p`` argument decides: at 0 they draw nothing and are stored as usual.
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    names = [argument.name for argument in op._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    index = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
+    return bool(p)
 
 
 def selective_contexts(

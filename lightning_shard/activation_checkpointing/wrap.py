@@ -123,15 +123,39 @@ class CheckpointedForward:
                 return selective_contexts(save_ops, save_matmuls)
         else:
             base = noop_context_fn
-        if tally is None:
+        has_buffers = next(self.block.buffers(), None) is not None
+        if tally is None and not has_buffers:
             return base
+        block = self.block
 
-        def counted() -> tuple[AbstractContextManager, AbstractContextManager]:
+        def wrapped() -> tuple[AbstractContextManager, AbstractContextManager]:
             forward_ctx, recompute_ctx = base()
-            # The tally sits under the selective mode on the mode stack, so it only sees ops that really re-run.
-            return forward_ctx, _entered_in_order(tally.counting(), recompute_ctx)
+            # Outermost first: buffers are copied before any mode is pushed, and the tally sits under the
+            # selective mode on the mode stack, so it only sees ops that really re-run.
+            outer = [buffers_kept(block)] if has_buffers else []
+            counting = [tally.counting()] if tally is not None else []
+            return forward_ctx, _entered_in_order(*outer, *counting, recompute_ctx)
 
-        return counted
+        return wrapped
+
+
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Give ``module``'s buffers back the values they had on entry, where the body changed them.
+
+    The recompute is a second training-mode forward of the block: a BatchNorm in it would update its
+    running statistics (and ``num_batches_tracked``) twice per step. Only changed buffers are written
+    back: the others (an eval-mode BatchNorm's statistics, which its backward reads) are left untouched,
+    not even their version counters move.
+    """
+    kept = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 ``StepFlopCounter`` is ``torch.utils.flop_counter.FlopCounterMode`` (the same per-op formulas) with
 three additions: each count is tagged with the autograd phase it ran in, the CPU flash-attention
 kernel that torch's registry lacks is counted, and ops on tensor subclasses (DTensor) are counted
-at the size each rank computes.
+at the size each rank computes. ``FirstStepFlops`` runs one over the first training step while it
+runs and scales the count to later batches (shared by ``MFUMonitor`` and ``ThroughputMonitorFlops``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from typing_extensions import override
+
+from lightning_shard._batch import batch_shape
 
 try:  # private: lets ops on tensor subclasses be counted locally; without it DTensor ops count globally
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
@@ -137,3 +140,56 @@ class StepFlopCounter(FlopCounterMode):
     @property
     def hardware_flops(self) -> int:
         return self.model_flops + self.by_phase["recompute"]
+
+
+class FirstStepFlops:
+    """The FLOPs of the first training step, counted while it runs and scaled to later batches.
+
+    ``start(batch)`` at the first batch's start enters a :class:`StepFlopCounter`; ``stop()`` before
+    its optimizer step (or at its end) leaves it. The step's own forward and backward are what is
+    counted: nothing is run a second time. Later batches are scaled by their token count (samples x
+    sequence length of the first tensor) against the counted one.
+    """
+
+    def __init__(self) -> None:
+        self.counted: dict[str, float] | None = None
+        self._counter: StepFlopCounter | None = None
+        self._units = 0.0
+
+    def reset(self) -> None:
+        self.abort()
+        self.counted = None
+
+    def start(self, batch: Any) -> None:
+        if self.counted is not None or self._counter is not None:
+            return
+        samples, tokens = batch_shape(batch)
+        self._units = float(tokens or samples)
+        self._counter = StepFlopCounter().__enter__()
+
+    def stop(self) -> bool:
+        """Leave the counter; True when this call finished the count."""
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return False
+        counter.__exit__(None, None, None)
+        self.counted = {
+            "model_flops": counter.model_flops,
+            "hardware_flops": counter.hardware_flops,
+            "forward_flops": counter.by_phase["forward"],
+            "units": self._units,
+        }
+        return True
+
+    def abort(self) -> None:
+        # A dispatch mode left on the stack would count every later op of the process.
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+
+    def scaled(self, batch: Any, key: str = "model_flops") -> float | None:
+        """``counted[key]`` scaled to ``batch``'s token count; None before the count or for an empty one."""
+        if self.counted is None or not self.counted["units"]:
+            return None
+        samples, tokens = batch_shape(batch)
+        return self.counted[key] * (tokens or samples) / self.counted["units"]

@@ -171,11 +171,14 @@ def probe_cpu_peak(dtype: ComputeDtype, size: int = 512, budget_s: float = 0.25)
 
     CPUs have no datasheet tensor peak that torch reaches, so MFU on CPU is measured against what a
     large matmul achieves here, now (the best of several timed bursts within ``budget_s``). fp8 has
-    no CPU matmul; it is probed as bf16.
+    no CPU matmul; it is probed as bf16. The global random state is not touched.
     """
     torch_dtype = _PROBE_TORCH_DTYPES.get(dtype, torch.bfloat16)
-    a = torch.randn(size, size).to(torch_dtype)
-    b = torch.randn(size, size).to(torch_dtype)
+    # A generator of its own: drawing from the default one would shift every later random number of the run
+    # (dropout masks, shuffles), so a run with a monitor would train differently from one without.
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(torch_dtype)
+    b = torch.randn(size, size, generator=generator).to(torch_dtype)
     torch.mm(a, b)  # first call pays for thread-pool start and packing buffers
     flops_per_mm, best, deadline = 2 * size**3, 0.0, time.perf_counter() + budget_s
     while True:

@@ -20,12 +20,18 @@ MFU uses model FLOPs (forward + backward); HFU (hardware FLOPs utilisation) also
 forward FLOPs that activation checkpointing recomputes during backward, so HFU >= MFU and the
 gap is the recompute.
 
-How "auto" counts, and why during the real first step. Counting a separate forward+backward
-would need a spare step that must leave no gradient, optimizer state, RNG draw or mode change
-behind, and under FSDP2/DeepSpeed it would issue collectives every rank must join. Instead the
-counter is entered in ``on_train_batch_start`` of the first batch and left in
-``on_before_optimizer_step`` (or ``on_train_batch_end`` when that batch does not step), so it
-sees exactly the first step's own forward and backward and nothing runs twice. Each counted
+How "auto" counts, and why during the real first step. A monitor must be a pure observer: a run
+with it trains bit for bit like one without. Counting on a separate forward+backward would have to
+undo everything that pass changes: the random stream it draws from (dropout, on the CPU and on the
+accelerator), buffers a training-mode forward updates (BatchNorm running statistics and
+``num_batches_tracked``), gradients, module hooks, values the model logs from inside its forward,
+and under FSDP2/DeepSpeed it would issue collectives every rank must join. Restoring all of that is
+fragile and the pass costs a step. Instead the counter (a dispatch mode, which changes no value) is
+entered in ``on_train_batch_start`` of the first batch and left in ``on_before_optimizer_step`` (or
+``on_train_batch_end`` when that batch does not step), so it sees exactly the first step's own
+forward and backward and nothing runs twice: there is nothing to restore, and it is the cheapest
+way. The CPU peak probe (``_peaks.probe_cpu_peak``) draws its matrices from a generator of its own
+for the same reason: drawing from the default one shifted every later dropout mask. Each counted
 op is tagged by autograd phase: outside the autograd engine it is forward; inside the engine
 with grad mode off it is backward; inside the engine with grad mode on it is forward work being
 recomputed for a checkpointed region (``torch.utils.checkpoint`` re-enables grad for exactly
@@ -63,7 +69,7 @@ from typing_extensions import override
 
 from lightning_shard._batch import batch_shape
 from lightning_shard.callbacks._common import check_count, gather_rows
-from lightning_shard.callbacks._flops import StepFlopCounter
+from lightning_shard.callbacks._flops import FirstStepFlops
 from lightning_shard.callbacks._peaks import ComputeDtype, compute_dtype, probe_cpu_peak, table_peak
 
 
@@ -123,17 +129,20 @@ class MFUMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self._clock: Callable[[], float] = time.perf_counter  # tests inject a fake clock
         self.metrics: dict[str, float] = {}
-        self.counted: dict[str, float] | None = None  # what "auto" counted on its batch
         self.device_peak: float | None = None  # this rank's peak FLOP/s
         self.peak_source: str | None = None
-        self._counter: StepFlopCounter | None = None
+        self._first = FirstStepFlops()
         self._records: deque[_Record] = deque(maxlen=window)
         self._batches = 0
         self._last_end: float | None = None
         self._start = 0.0
-        self._counted_units = 0.0
         self._every = 1
         self._device = torch.device("cpu")
+
+    @property
+    def counted(self) -> dict[str, float] | None:
+        """What ``"auto"`` counted on the first batch (model, hardware and forward FLOPs, token units)."""
+        return self._first.counted
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -155,7 +164,8 @@ class MFUMonitor(Callback):
         self._every = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 0) or 50
         self._device = device
         # A reused monitor starts over: the model or its batches may have changed since the last fit.
-        self.counted, self._batches, self._last_end = None, 0, None
+        self._first.reset()
+        self._batches, self._last_end = 0, None
         self._records.clear()
 
     @override
@@ -171,10 +181,8 @@ class MFUMonitor(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._start = self._clock()
-        if self.flops_per_batch == "auto" and self.counted is None and self._counter is None:
-            samples, tokens = batch_shape(batch)
-            self._counted_units = float(tokens or samples)
-            self._counter = StepFlopCounter().__enter__()
+        if self.flops_per_batch == "auto":
+            self._first.start(batch)  # only the first batch of the fit is counted
 
     @override
     def on_before_optimizer_step(
@@ -186,9 +194,7 @@ class MFUMonitor(Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        if self._counter is not None:  # a dispatch mode left on the stack would count every later op
-            self._counter.__exit__(None, None, None)
-            self._counter = None
+        self._first.abort()
 
     @override
     def on_train_batch_end(
@@ -207,35 +213,24 @@ class MFUMonitor(Callback):
             self._log(trainer)
 
     def _stop_counting(self) -> None:
-        counter, self._counter = self._counter, None
-        if counter is None:
-            return
-        counter.__exit__(None, None, None)
-        self.counted = {
-            "model_flops": counter.model_flops,
-            "hardware_flops": counter.hardware_flops,
-            "units": self._counted_units,
-        }
-        if counter.model_flops == 0:
+        if self._first.stop() and not self._first.counted["model_flops"]:  # type: ignore[index]
             rank_zero_warn(
                 "MFUMonitor(flops_per_batch='auto') counted 0 FLOPs in the first step (no op it knows ran, e.g."
                 " custom kernels), so FLOP rates are not logged. Pass flops_per_batch=<int or callable>."
             )
 
-    def _batch_flops(self, batch: Any, samples: int, shape_tokens: int | None) -> tuple[float, float]:
+    def _batch_flops(self, batch: Any) -> tuple[float, float]:
         if isinstance(self.flops_per_batch, int):
             return float(self.flops_per_batch), math.nan
         if callable(self.flops_per_batch):
             return float(self.flops_per_batch(batch)), math.nan
-        if self.counted is None or not self.counted["units"]:
-            return math.nan, math.nan
-        scale = (shape_tokens or samples) / self.counted["units"]
-        return self.counted["model_flops"] * scale, self.counted["hardware_flops"] * scale
+        model, hardware = self._first.scaled(batch), self._first.scaled(batch, "hardware_flops")
+        return (math.nan, math.nan) if model is None or hardware is None else (model, hardware)
 
     def _record(self, now: float, batch: Any) -> _Record:
         samples, shape_tokens = batch_shape(batch)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else shape_tokens
-        model, hardware = self._batch_flops(batch, samples, shape_tokens)
+        model, hardware = self._batch_flops(batch)
         return _Record(now - self._last_end, self._start - self._last_end, samples, tokens, model, hardware)  # type: ignore[operator]
 
     def _log(self, trainer: L.Trainer) -> None:
@@ -278,7 +273,9 @@ def _window_metrics(rows: torch.Tensor, n_batches: int) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
 
 
-def _device_peak(device: torch.device, dtype: ComputeDtype) -> tuple[float | None, str]:
+def _device_peak(
+    device: torch.device, dtype: ComputeDtype, metrics: str = "perf/mfu and perf/hfu are"
+) -> tuple[float | None, str]:
     """(peak FLOP/s of one device or None, where it came from) for the run's compute dtype."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -286,8 +283,8 @@ def _device_peak(device: torch.device, dtype: ComputeDtype) -> tuple[float | Non
     if device.type == "cpu":
         peak = probe_cpu_peak(dtype)
         rank_zero_info(
-            f"MFUMonitor: a CPU has no datasheet peak; a {dtype} matmul probe measured an achievable"
-            f" {peak / 1e12:.3f} TFLOP/s per process. perf/mfu and perf/hfu are relative to it."
+            f"A CPU has no datasheet peak; a {dtype} matmul probe measured an achievable"
+            f" {peak / 1e12:.3f} TFLOP/s per process. {metrics} relative to it."
         )
         return peak, f"cpu in {dtype} (matmul probe)"
     return None, f"device type {device.type!r} in {dtype}"
