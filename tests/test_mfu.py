@@ -574,7 +574,10 @@ def test_callbacks_package_exports_the_monitors_and_imports_no_engine():
     import lightning_shard
     import lightning_shard.callbacks as callbacks
 
-    assert {"MFUMonitor", "StragglerDetector"} <= set(callbacks.__all__)
+    assert {"MFUMonitor", "StragglerDetector", "ThroughputMonitorFlops", "feed_throughput_monitor"} <= set(
+        callbacks.__all__
+    )
+    assert callbacks.ThroughputMonitorFlops is ThroughputMonitorFlops
     assert lightning_shard.MFUMonitor is callbacks.MFUMonitor is MFUMonitor
     assert lightning_shard.StragglerDetector is callbacks.StragglerDetector
     # Callbacks work with any strategy: they reach other ranks only through trainer.strategy, so no
