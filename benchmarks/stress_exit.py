@@ -8,6 +8,7 @@ report lists each failure's exit code and the last lines it printed.
 
     python benchmarks/stress_exit.py                      # N=25 per engine and stage
     python benchmarks/stress_exit.py --runs 100 --engines fsdp --stages 1 --out stress.json
+    python benchmarks/stress_exit.py --runs 20 --stages 1 3 --after-fit     # collectives after fit and test
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from pathlib import Path
 JOB = Path(__file__).resolve().parent.parent / "tests" / "jobs" / "exit_job.py"
 
 
-def run_job(engine: str, stage: int, async_checkpoint: bool, job_timeout: float) -> dict:
+def run_job(
+    engine: str, stage: int, async_checkpoint: bool, job_timeout: float, after_fit: bool = False
+) -> dict:
     root = tempfile.mkdtemp(prefix="stress_exit_")
     cmd = [sys.executable, str(JOB), "--root", root, "--engine", engine, "--stage", str(stage)]
     if async_checkpoint:
         cmd.append("--async-checkpoint")
+    if after_fit:
+        cmd += ["--then-test", "--collectives"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -62,6 +67,11 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["fsdp", "deepspeed"])
     parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
     parser.add_argument("--job-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--after-fit",
+        action="store_true",
+        help="each job also fits again, tests, and runs collectives after each call before it exits",
+    )
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
 
@@ -71,7 +81,9 @@ def main() -> None:
             for i in range(args.runs):
                 # DeepSpeed writes its own checkpoints (async_checkpoint is an FSDP-engine flag).
                 async_checkpoint = bool(i % 2) and engine == "fsdp"
-                result = run_job(engine, stage, async_checkpoint, job_timeout=args.job_timeout)
+                result = run_job(
+                    engine, stage, async_checkpoint, job_timeout=args.job_timeout, after_fit=args.after_fit
+                )
                 jobs.append(result)
                 status = "ok" if result["rc"] == 0 else f"FAILED rc={result['rc']}"
                 print(

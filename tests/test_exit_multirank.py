@@ -42,9 +42,12 @@ def _engine_args(engine: str) -> list[str]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_between_calls(tmp_path, engine):
-    rc, out = _finish(_start(tmp_path, *_engine_args(engine), "--then-test"), timeout=300)
+    rc, out = _finish(_start(tmp_path, *_engine_args(engine), "--then-test", "--collectives"), timeout=300)
     assert rc == 0, out[-3000:]
     for rank in (0, 1):
+        for after in ("fit", "test"):
+            expected = f"rank {rank} after {after}: broadcast=path-from-rank-0 sum=3.0 gather=[0.0, 1.0]"
+            assert expected in out, out[-3000:]
         assert f"rank {rank} finished fit at step 6" in out
         assert f"rank {rank} process group alive after fit: True" in out
         assert f"rank {rank} finished second fit at step 8" in out

@@ -61,6 +61,16 @@ class ReportException(L.Callback):
         print(f"rank {trainer.global_rank} stopped by {name} at step {trainer.global_step}", flush=True)
 
 
+def report_collectives(trainer: L.Trainer, after: str) -> None:
+    """What a script does with the strategy after a Trainer call; every rank must print rank 0's / all ranks' values."""
+    strategy, rank = trainer.strategy, trainer.global_rank
+    strategy.barrier()
+    best = strategy.broadcast(f"path-from-rank-{rank}")
+    total = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item()
+    gathered = strategy.all_gather(torch.tensor([float(rank)])).flatten().tolist()
+    print(f"rank {rank} after {after}: broadcast={best} sum={total} gather={gathered}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", default="fsdp")
@@ -75,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument(
         "--then-test", action="store_true", help="fit again (2 more steps), then test: same Trainer"
+    )
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="after each Trainer call: barrier, broadcast, reduce, all_gather",
     )
     parser.add_argument("--root", required=True)
     args = parser.parse_args(argv)
@@ -112,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"rank {trainer.global_rank} finished fit at step {trainer.global_step}", flush=True)
     print(f"rank {trainer.global_rank} process group alive after fit: {dist.is_initialized()}", flush=True)
+    if args.collectives:
+        report_collectives(trainer, "fit")
     if args.then_test:
         trainer.fit_loop.epoch_loop.max_steps = args.max_steps + 2
         trainer.fit(model, data)
@@ -119,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         subset = torch.utils.data.Subset(data.dataset, range(16))
         trainer.test(model, dataloaders=torch.utils.data.DataLoader(subset, batch_size=4), verbose=False)
         print(f"rank {trainer.global_rank} finished test", flush=True)
+        if args.collectives:
+            report_collectives(trainer, "test")
 
 
 if __name__ == "__main__":
