@@ -25,6 +25,7 @@ __all__ = [
     "ShardPrecision",
     "ShardStrategy",
     "StragglerDetector",
+    "ThroughputMonitorFlops",
 ]
 
 _LAZY = {
@@ -32,6 +33,7 @@ _LAZY = {
     "EMA": "lightning_shard.averaging",
     "MFUMonitor": "lightning_shard.callbacks",
     "StragglerDetector": "lightning_shard.callbacks",
+    "ThroughputMonitorFlops": "lightning_shard.callbacks",
 }
 
 

@@ -261,6 +261,9 @@ class ShardStrategy(CheckpointHooks):
                 else stage,  # tensor parallel: DTensors at any stage
                 self.engine_name,
             )
+            from lightning_shard.callbacks import feed_throughput_monitor
+
+            feed_throughput_monitor(trainer)  # Lightning's ThroughputMonitor logs MFU with no user code
         if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
             # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)

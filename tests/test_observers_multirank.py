@@ -22,7 +22,6 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_shard import ActivationCheckpointing, MFUMonitor, ShardStrategy, StragglerDetector
-from lightning_shard.callbacks.throughput import feed_throughput_monitor
 from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import VOCAB, LossRecorder, loader, trainer_kwargs
 
@@ -125,14 +124,6 @@ class MemoryLogger(Logger):
         pass
 
 
-class FeedingShardStrategy(ShardStrategy):
-    """ShardStrategy with the one call that gives Lightning's ThroughputMonitor its FLOPs and peak."""
-
-    def setup(self, trainer: L.Trainer) -> None:
-        super().setup(trainer)
-        feed_throughput_monitor(trainer)
-
-
 def _monitors() -> list[L.Callback]:
     # Every 2 batches, so their all_gathers run inside the 4 steps.
     return [MFUMonitor(log_every_n_steps=2), StragglerDetector(every_n_steps=2)]
@@ -179,7 +170,7 @@ def _all_runs() -> dict[str, Any]:
             out[f"{name}/{label}"] = {"losses": run["losses"], "state": run["state"]}
     logger = MemoryLogger()
     throughput = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2)
-    run = _fit(FeedingShardStrategy(stage=3), [throughput], logger=logger, log_every_n_steps=1)
+    run = _fit(ShardStrategy(stage=3), [throughput], logger=logger, log_every_n_steps=1)
     out["zero3/throughput"] = {"losses": run["losses"], "state": run["state"]}
     out["throughput_metrics"] = logger.metrics
     out["flops_per_batch"] = run["trainer"].lightning_module.flops_per_batch
