@@ -16,7 +16,10 @@ docs/callbacks.md). ``EarlyStopping``, ``ModelCheckpoint`` + ``test(ckpt_path="b
 - ``GradientAccumulationScheduler`` changes ``trainer.accumulate_grad_batches`` between epochs; DeepSpeed fixes
   ``gradient_accumulation_steps`` when its engine is built and silently steps at the old boundary: refused.
 
-:func:`adapt` does all of it; ShardStrategy calls it at the end of ``setup`` (once the optimizers exist).
+:func:`adapt` does all of it, and refuses Lightning's averaging callbacks where they cannot work
+(:mod:`lightning_shard._lightning_callbacks`) and feeds ``ThroughputMonitor`` its FLOPs
+(:func:`lightning_shard.callbacks.feed_throughput_monitor`); ShardStrategy calls it at the end of ``setup``
+(once the optimizers exist).
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder, ModelSummary
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, _tensor_has_shape
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
+
+from lightning_shard._lightning_callbacks import check_callbacks
+from lightning_shard.callbacks.throughput import feed_throughput_monitor
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
 _ADAPTED = "_lightning_shard_adapted"
@@ -41,6 +48,15 @@ def adapt(trainer: Any, strategy: Any) -> None:
     """Make Lightning's callbacks among ``trainer.callbacks`` report under ``strategy`` as under DDP, or raise
     ``ValueError`` for one that cannot work with its engine. Idempotent: call it at every ``setup``."""
     engine, stage = strategy.engine_name, strategy.stage
+    if trainer.state.fn == TrainerFn.FITTING:
+        # Tensor parallelism makes parameters DTensors at any stage: as at stage 3 for the averaging checks.
+        check_callbacks(
+            trainer,
+            f"ShardStrategy(stage={stage}, engine={engine!r})",
+            3 if strategy.config.tensor_parallel_size > 1 else stage,
+            engine,
+        )
+        feed_throughput_monitor(trainer)  # Lightning's ThroughputMonitor logs MFU with no user code
     if engine == "deepspeed":
         _refuse_accumulation_schedule(trainer, f"ShardStrategy(stage={stage}, engine='deepspeed')")
     for callback in trainer.callbacks:

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_shard import _ddp
 from lightning_shard._checkpoint_hooks import CheckpointHooks
-from lightning_shard._lightning_callbacks import check_callbacks
+from lightning_shard._lightning_compat_callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard._preemption import Preemption
@@ -250,20 +250,6 @@ class ShardStrategy(CheckpointHooks):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
-        if trainer.state.fn == TrainerFn.FITTING:
-            # Lightning's averaging callbacks that cannot work on this layout: refused before any step.
-            stage = self.config.resolved_stage
-            check_callbacks(
-                trainer,
-                f"ShardStrategy(stage={stage}, engine={self.engine_name!r})",
-                3
-                if self.config.tensor_parallel_size > 1
-                else stage,  # tensor parallel: DTensors at any stage
-                self.engine_name,
-            )
-            from lightning_shard.callbacks import feed_throughput_monitor
-
-            feed_throughput_monitor(trainer)  # Lightning's ThroughputMonitor logs MFU with no user code
         if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
             # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
@@ -295,6 +281,8 @@ class ShardStrategy(CheckpointHooks):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.apply_timeout()  # groups the engine made (DeepSpeed's) get the timeout flag's limit too
+        # Lightning's own callbacks and tuner report as under DDPStrategy, or are refused with the fix.
+        adapt_lightning_callbacks(trainer, self)
 
     @override
     def on_train_start(self) -> None:
