@@ -110,13 +110,26 @@ class Writer(BasePredictionWriter):
 
 def _monitored(make: Any, root: Path) -> dict[str, Any]:
     """EarlyStopping, LearningRateMonitor, ModelSummary, ModelCheckpoint on val_loss; then test(ckpt_path="best")."""
-    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary
+    from lightning.pytorch.callbacks import (
+        EarlyStopping,
+        LearningRateMonitor,
+        ModelCheckpoint,
+        ModelSummary,
+        ThroughputMonitor,
+    )
 
     tables, memory = SummaryTables(), MemoryLogger()
     summary_log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
     summary_log.addHandler(tables)
     best = ModelCheckpoint(dirpath=root / "best", monitor="val_loss")
-    callbacks = [EarlyStopping(monitor="val_loss", patience=2), LearningRateMonitor(), ModelSummary(), best]
+    throughput = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2)
+    callbacks = [
+        EarlyStopping(monitor="val_loss", patience=2),
+        LearningRateMonitor(),
+        ModelSummary(),
+        best,
+        throughput,
+    ]
     kwargs = trainer_kwargs(
         max_steps=30,
         val_check_interval=2,
@@ -138,6 +151,8 @@ def _monitored(make: Any, root: Path) -> dict[str, Any]:
         "summary": tables.tables,
         "best": (Path(best.best_model_path).name, float(best.best_model_score)),
         "test": tested[0]["test_loss"],
+        "throughput": sorted({key for _, row in memory.rows for key in row if key.startswith("train/")}),
+        "mfu": [row["train/device/mfu"] for _, row in memory.rows if "train/device/mfu" in row],
     }
 
 
@@ -442,3 +457,15 @@ def test_a_sharded_optimizer_class_is_named_after_the_optimizer_it_shards():
     named = compat._named_zero_class(torch.optim.SGD)
     assert named.__name__ == "SGD" and issubclass(named, ZeroRedundancyOptimizer)
     assert compat._named_zero_class(torch.optim.SGD) is named
+
+
+@pytest.mark.multirank
+def test_throughput_monitor_logs_mfu_under_every_shard_configuration(job):
+    engine, (out, _) = job
+    ddp = out["ddp"]["monitored"]
+    assert "train/device/batches_per_sec" in ddp["throughput"]  # Lightning's own numbers, under DDP too
+    for name, result in _shard(out).items():
+        got = result["monitored"]
+        assert set(ddp["throughput"]) <= set(got["throughput"]), f"{engine} {name}"
+        # ShardStrategy feeds the monitor its FLOPs and the CPU's peak: MFU with no user code.
+        assert got["mfu"] and all(0 < value < 1 for value in got["mfu"]), f"{engine} {name}: {got['mfu']}"
