@@ -62,6 +62,32 @@ def _world() -> tuple[int, int] | None:
     return None
 
 
+class MemoryLogger(L.pytorch.loggers.Logger):
+    """Every row Lightning logs, on every rank: ``rows`` as ``(step, metrics)``, ``metrics`` the dicts alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        return [row for _, row in self.rows]
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
 class LossRecorder(L.Callback):
     """Records the step loss averaged over ranks (the quantity a single-process run sees)."""
 
@@ -92,6 +118,20 @@ def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
             for k, v in sd.items()
         }
     return {k: v.detach().float().clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+
+def shard_stages_then_ddp(engine: str, stages: tuple[int, ...]) -> dict[str, Any]:
+    """Strategy factories for a side-by-side job: ``ShardStrategy`` at each stage, then Lightning's
+    ``DDPStrategy`` last. ShardStrategy first: it makes the default group, as in a script that uses only it."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard import ShardStrategy
+
+    strategies: dict[str, Any] = {
+        f"stage{stage}": lambda stage=stage: ShardStrategy(stage=stage, engine=engine) for stage in stages
+    }
+    strategies["ddp"] = lambda: DDPStrategy()
+    return strategies
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:

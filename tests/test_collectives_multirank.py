@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import ENGINES, loader, tiny_gpt, trainer_kwargs
+from tests.helpers import ENGINES, loader, shard_stages_then_ddp, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
 
@@ -52,16 +52,8 @@ def _collectives(strategy: Any) -> dict[str, Any]:
 
 def _job(engine: str) -> dict[str, Any]:
     import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_shard import ShardStrategy
-
-    # ShardStrategy first: it makes the default group here, as in a script that uses only it.
-    strategies: dict[str, Any] = {
-        f"stage{stage}": lambda stage=stage: ShardStrategy(stage=stage, engine=engine)
-        for stage in STAGES[engine]
-    }
-    strategies["ddp"] = lambda: DDPStrategy()
+    strategies = shard_stages_then_ddp(engine, STAGES[engine])
     out: dict[str, Any] = {}
     for name, make in strategies.items():
         trainer = L.Trainer(devices=2, strategy=make(), **trainer_kwargs(max_steps=2, limit_val_batches=2))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import ENGINES, loader, tiny_gpt, trainer_kwargs
+from tests.helpers import ENGINES, loader, shard_stages_then_ddp, tiny_gpt, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
 
@@ -92,16 +92,8 @@ def _fit(
 
 
 def _job(engine: str, root: str) -> dict[str, Any]:
-    from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_shard import ShardStrategy
-
-    # ShardStrategy first: it makes the default group, as in a script that uses only it.
-    strategies: dict[str, Any] = {
-        f"stage{stage}": lambda stage=stage: ShardStrategy(stage=stage, engine=engine)
-        for stage in STAGES[engine]
-    }
-    strategies["ddp"] = lambda: DDPStrategy()
+    strategies = shard_stages_then_ddp(engine, STAGES[engine])
     out: dict[str, Any] = {}
     for name, make in strategies.items():
         ckpt_dir = Path(root) / name

@@ -22,7 +22,7 @@ from lightning_shard import ShardStrategy
 from lightning_shard import _lightning_compat_callbacks as compat
 from lightning_shard.demos import GPTModule
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import ENGINES, SEQ, VOCAB, LossRecorder, loader, trainer_kwargs
+from tests.helpers import ENGINES, SEQ, VOCAB, LossRecorder, MemoryLogger, loader, trainer_kwargs
 
 FAIL_AT = 3  # the training step that raises in the OnExceptionCheckpoint run
 TIMER_S = 1.0
@@ -60,28 +60,6 @@ class Project(GPTModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-class MemoryLogger(L.pytorch.loggers.Logger):
-    """Every row Lightning logs, on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
 
 
 class SummaryTables(logging.Handler):

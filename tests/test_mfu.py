@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
@@ -35,6 +35,7 @@ from lightning_shard.callbacks._peaks import (
 )
 from lightning_shard.callbacks.throughput import ThroughputMonitorFlops, feed_throughput_monitor
 from lightning_shard.demos import GPT, GPTModule
+from tests.helpers import MemoryLogger
 
 SEQ, D, LAYERS, HEADS, VOCAB, BATCH = 32, 32, 2, 2, 256, 4
 
@@ -600,26 +601,6 @@ def test_callbacks_package_exports_the_monitors_and_imports_no_engine():
 
 
 # --- Lightning's ThroughputMonitor gets FLOPs and a peak -------------------------------------------
-
-
-class MemoryLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 class SeenFlops(L.Callback):

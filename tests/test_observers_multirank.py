@@ -18,12 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_shard import ActivationCheckpointing, MFUMonitor, ShardStrategy, StragglerDetector
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import VOCAB, LossRecorder, loader, trainer_kwargs
+from tests.helpers import VOCAB, LossRecorder, MemoryLogger, loader, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
 
@@ -102,26 +101,6 @@ class FinalState(L.Callback):
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in state.items()
         }
-
-
-class MemoryLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 def _monitors() -> list[L.Callback]:

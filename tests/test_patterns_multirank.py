@@ -209,4 +209,6 @@ def test_lora_hf_checkpointing_and_a_second_trainer_train_as_under_ddp(engine):
         if case == "lora_base_unchanged":
             assert got is True, name
             continue
-        torch.testing.assert_close(got, out["ddp", case], rtol=1e-5, atol=0, msg=lambda m, w=(name, case): f"{w}: {m}")
+        torch.testing.assert_close(
+            got, out["ddp", case], rtol=1e-5, atol=0, msg=lambda m, w=(name, case): f"{w}: {m}"
+        )
