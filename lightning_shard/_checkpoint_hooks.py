@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard import _compat
 from lightning_shard._processes import guarded
 from lightning_shard._steps import EngineSteps
 from lightning_shard.config import ShardConfig
@@ -92,4 +93,8 @@ class CheckpointHooks(EngineSteps):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        return self.engine.load_checkpoint(self.model, self.optimizers, path)
+        if weights_only is None:
+            # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            weights_only = getattr(trainer, _compat.WEIGHTS_ONLY_ATTR, None)
+        return self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)

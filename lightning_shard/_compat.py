@@ -249,3 +249,35 @@ def build_directory() -> Path:
         return Path(root)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "torch_extensions"
+
+
+#: Set on a Trainer by :func:`record_weights_only`: the ``weights_only`` of the running fit/validate/test/predict.
+WEIGHTS_ONLY_ATTR = "_lightning_shard_weights_only"
+
+
+def record_weights_only() -> bool:
+    """Keep the ``weights_only`` a Trainer call was given where the strategy can read it.
+
+    Lightning 2.6 passes it to ``strategy.load_checkpoint`` only for strategies that restore before set-up;
+    for those that restore after (its own FSDP and DeepSpeed strategies, and this one) ``Trainer._run``
+    drops it, so ``fit(ckpt_path=..., weights_only=False)`` would never reach the loader. Wrapping
+    ``Trainer._run`` records it on the Trainer. Returns whether the wrapper is in place.
+    """
+    import functools
+
+    from lightning.pytorch.trainer.trainer import Trainer
+
+    run = getattr(Trainer, "_run", None)
+    if run is None:
+        return False
+    if getattr(run, WEIGHTS_ONLY_ATTR, False):
+        return True
+
+    @functools.wraps(run)
+    def _run(self: Any, model: Any, ckpt_path: Any = None, weights_only: bool | None = None) -> Any:
+        setattr(self, WEIGHTS_ONLY_ATTR, weights_only)
+        return run(self, model, ckpt_path=ckpt_path, weights_only=weights_only)
+
+    setattr(_run, WEIGHTS_ONLY_ATTR, True)
+    Trainer._run = _run  # type: ignore[method-assign]
+    return True

@@ -22,12 +22,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_shard import _ddp
+from lightning_shard import _compat, _ddp
 from lightning_shard._checkpoint_hooks import CheckpointHooks
 from lightning_shard._lightning_compat_callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard._preemption import Preemption
+from lightning_shard._processes import CollectiveTimeoutError
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightning_shard.config import CheckpointMode, EngineFlag, ShardConfig
 from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
@@ -38,6 +39,7 @@ from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
 log = logging.getLogger(__name__)
+_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
 class ShardStrategy(CheckpointHooks):
@@ -319,11 +321,22 @@ class ShardStrategy(CheckpointHooks):
                 # Kept for inspection after the run; the next Trainer call builds a fresh one.
                 self._engine_live = False
                 self._engine.teardown()
+            self._teardown_barrier()
         finally:
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+
+    def _teardown_barrier(self) -> None:
+        """When a Trainer call returns on any rank, every rank has committed its checkpoints and removed its
+        files (skipped after a collective failed: the other ranks may be gone)."""
+        if self._timed_out or self._device_mesh is None:
+            return
+        try:
+            self.barrier("teardown")
+        except CollectiveTimeoutError as error:
+            log.error("ShardStrategy: the barrier at the end of the call failed: %s", error)
 
     def _destroy_world(self) -> None:
         self._engine_class.destroy_world()  # DeepSpeed's drops its cached groups too

@@ -16,6 +16,7 @@ our directories), :mod:`._pickles` (``weights_only`` for the pickles DCP and Dee
 
 from lightning_shard.checkpoint._commit import TMP_SUFFIX, commit, remove, save_file, write_committed
 from lightning_shard.checkpoint._errors import CheckpointLoadError
+from lightning_shard.checkpoint._pickles import check_deepspeed_files
 from lightning_shard.checkpoint.async_save import (
     AsyncCheckpointer,
     AsyncCheckpointError,
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointLoadError",
     "ConsolidateFormat",
     "check_deepspeed_checkpoint",
+    "check_deepspeed_files",
     "commit",
     "consolidate",
     "install_load_from_checkpoint",

@@ -12,6 +12,8 @@ therefore has every rank report its outcome in one ``all_gather_object`` and rai
 
 from __future__ import annotations
 
+import pickle
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,6 +89,19 @@ def _first_sentence(error: BaseException) -> str:
 
 
 def unreadable(path: Path, file: str, error: BaseException) -> CheckpointLoadError:
+    text = str(error)
+    refused = "Weights only load failed" in text or "weights_only loading refuses" in text
+    if isinstance(error, pickle.UnpicklingError) and refused:
+        # weights_only loading refused a global: a pickle that would run code, or a class nobody allowed
+        # (torch's words, then those of the restricted readers in _pickles).
+        named = re.search(r"(?:GLOBAL|global) ([\w.]+)", text) or re.search(r"names ([\w.]+)", text)
+        what = f"it names {named.group(1)}" if named else summary(error)
+        return CheckpointLoadError(
+            f"Checkpoint {str(path)!r}: {file} was refused by weights_only loading ({what}). Loading"
+            " never runs code from a checkpoint unless you opt in. If you trust this checkpoint's source, pass"
+            " weights_only=False (trainer.fit(model, ckpt_path=..., weights_only=False)), or allow the class"
+            " with torch.serialization.add_safe_globals([...])."
+        )
     return CheckpointLoadError(
         f"Checkpoint {str(path)!r} is damaged: {file} cannot be read ({summary(error)}). The file was cut short"
         " or overwritten after the save (a copy, sync or disk that did not finish). Copy the checkpoint again in"

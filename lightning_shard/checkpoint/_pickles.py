@@ -96,6 +96,19 @@ class MetadataReader(FileSystemReader):
         return metadata
 
 
+def check_deepspeed_files(path: Path) -> None:
+    """Every file of a DeepSpeed checkpoint directory passes :func:`check_deepspeed_pickles`, or
+    :class:`~lightning_shard.CheckpointLoadError` names the file, the global and the opt-in."""
+    from lightning_shard.checkpoint import _errors
+    from lightning_shard.checkpoint.layout import DEEPSPEED_TAG
+
+    files = sorted((Path(path) / DEEPSPEED_TAG).glob("*.pt"))
+    try:
+        check_deepspeed_pickles(files)
+    except pickle.UnpicklingError as err:
+        raise _errors.unreadable(Path(path), "a DeepSpeed file", err) from err
+
+
 def check_deepspeed_pickles(files: list[Path]) -> None:
     """Raise ``pickle.UnpicklingError`` unless every file names only torch-safe and DeepSpeed's plain globals."""
     for file in files:

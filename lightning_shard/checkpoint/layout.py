@@ -22,8 +22,16 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / ".metadata").is_file() and (path / META_FILENAME).is_file()
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    return FileSystemReader(str(path)).read_metadata()
+def metadata_reader(path: str | os.PathLike, weights_only: bool | None = None) -> FileSystemReader:
+    """DCP's reader for ``path``; its ``.metadata`` unpickled with the restricted unpickler unless
+    ``weights_only=False`` (DCP's own reader uses plain ``pickle``, which runs what a planted file names)."""
+    from lightning_shard.checkpoint._pickles import MetadataReader
+
+    return FileSystemReader(str(path)) if weights_only is False else MetadataReader(str(path))
+
+
+def read_metadata(path: str | os.PathLike, weights_only: bool | None = None) -> Metadata:
+    return metadata_reader(path, weights_only).read_metadata()
 
 
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:

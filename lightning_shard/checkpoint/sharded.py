@@ -29,6 +29,7 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
+    metadata_reader,
     optimizer_key,
     read_metadata,
 )
@@ -47,26 +48,30 @@ def save_sharded(
     write_committed(path, write, is_rank0, barrier)
 
 
-def load_sharded(path: Path, target: dict[str, Any]) -> None:
+def load_sharded(path: Path, target: dict[str, Any], weights_only: bool | None = None) -> None:
     """Fill ``target`` (model / optimizer state dicts of this rank's layout) in place from ``path``."""
-    dcp.load(target, checkpoint_id=str(path))
+    dcp.load(target, checkpoint_id=str(path), storage_reader=metadata_reader(path, weights_only))
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    return torch.load(path / META_FILENAME, weights_only=False, map_location="cpu")
+def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    return torch.load(path / META_FILENAME, weights_only=weights_only, map_location="cpu")
 
 
-def load_sharded_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
+def load_sharded_into(
+    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None = None
+) -> dict[str, Any]:
     """Load a sharded checkpoint into this rank's (any stage, any world size) layout; return Lightning's meta.
 
     Every check that can fail runs before DCP reads a byte, and every rank raises if any rank fails
     (:func:`lightning_shard._checkpoint_errors.on_every_rank`).
     """
-    meta, target = errors.on_every_rank(path, lambda: _sharded_target(engine, model, optimizers, path))
+    meta, target = errors.on_every_rank(
+        path, lambda: _sharded_target(engine, model, optimizers, path, weights_only)
+    )
 
     def apply() -> None:
         try:
-            load_sharded(path, target)
+            load_sharded(path, target, weights_only)
         except (Exception, errors.CheckpointException) as err:
             raise CheckpointLoadError(
                 f"Reading checkpoint {str(path)!r} failed: {errors.summary(err)}. Its files passed the checks"
@@ -83,7 +88,7 @@ def load_sharded_into(engine: Any, model: Any, optimizers: list[Any], path: Path
 
 
 def _sharded_target(
-    engine: Any, model: Any, optimizers: list[Any], path: Path
+    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's meta and this rank's empty load target, once the checkpoint is known to fit it."""
     if is_deepspeed_checkpoint(path):
@@ -102,12 +107,12 @@ def _sharded_target(
             " never finished, or it is not a checkpoint. Resume from a checkpoint whose save finished."
         )
     try:
-        metadata = read_metadata(path)
+        metadata = read_metadata(path, weights_only)
     except Exception as err:  # noqa: BLE001  (any unreadable .metadata is the same fault to the user)
         raise errors.unreadable(path, ".metadata", err) from err
     errors.check_files(path, metadata)
     try:
-        meta = read_meta(path)
+        meta = read_meta(path, weights_only)
     except Exception as err:  # noqa: BLE001
         raise errors.unreadable(path, META_FILENAME, err) from err
     target: dict[str, Any] = {MODEL_KEY: engine.model_state_dict(model, full=False)}
@@ -123,9 +128,11 @@ def _sharded_target(
     return meta, target
 
 
-def load_full_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -> dict[str, Any]:
+def load_full_into(
+    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None = None
+) -> dict[str, Any]:
     """Load a one-file checkpoint (``checkpoint="full"``) into this rank's layout; return it."""
-    checkpoint = errors.on_every_rank(path, lambda: _read_full(engine, model, path))
+    checkpoint = errors.on_every_rank(path, lambda: _read_full(engine, model, path, weights_only))
 
     def apply() -> None:
         engine.load_model_state_dict(model, checkpoint[MODEL_KEY], full=True)
@@ -136,14 +143,14 @@ def load_full_into(engine: Any, model: Any, optimizers: list[Any], path: Path) -
     return checkpoint
 
 
-def _read_full(engine: Any, model: Any, path: Path) -> dict[str, Any]:
+def _read_full(engine: Any, model: Any, path: Path, weights_only: bool | None) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(
             f"Checkpoint {str(path)!r} does not exist. Check the path given as ckpt_path, or pass"
             " ckpt_path='last' to resume from the newest checkpoint ModelCheckpoint saved."
         )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as err:  # noqa: BLE001  (a cut-short zip fails in several ways, all the same fault)
         raise errors.unreadable(path, "the file", err) from err
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(MODEL_KEY), dict):

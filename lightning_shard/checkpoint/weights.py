@@ -19,14 +19,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import lightning_shard.checkpoint._errors as errors
 from lightning_shard.checkpoint._commit import save_file
-from lightning_shard.checkpoint._pickles import MetadataReader, check_deepspeed_pickles
+from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
 from lightning_shard.checkpoint.layout import (
     DEEPSPEED_TAG,
     META_FILENAME,
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
-    read_metadata,
+    metadata_reader,
 )
 
 
@@ -49,8 +49,8 @@ def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None
             f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
             " it may be a save that never completed."
         )
-    reader = None if weights_only is False else MetadataReader(path)
-    metadata = read_metadata(path) if reader is None else reader.read_metadata()
+    reader = metadata_reader(path, weights_only)
+    metadata = reader.read_metadata()
     prefix = MODEL_KEY + "."
     target = {
         key: torch.empty(md.size, dtype=md.properties.dtype)

@@ -190,8 +190,13 @@ class Engine(ABC):
         (``OnExceptionCheckpoint``, SIGTERM), written in full, never a link to another checkpoint."""
 
     @abstractmethod
-    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
-        """Load model (and, where given, optimizer) state from ``path``; return Lightning's remaining dict."""
+    def load_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load model (and, where given, optimizer) state from ``path``; return Lightning's remaining dict.
+
+        ``weights_only`` as Lightning passes it (``None``: torch's default, ``True``): only ``False`` lets the
+        checkpoint's pickles name globals beyond torch's allowlist."""
 
     def remove_checkpoint(self, path: Path) -> None:
         if self.run.is_global_zero:

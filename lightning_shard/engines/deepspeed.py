@@ -42,6 +42,8 @@ from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSe
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
 _STALE_LOCK_SECONDS = 30 * 60
+#: Set on a module once this engine has set it up (a later Trainer call finds it partitioned by the fit).
+_SET_UP = "_lightning_shard_deepspeed_set_up"
 
 
 class DeepSpeedEngine(Engine):
@@ -90,13 +92,16 @@ class DeepSpeedEngine(Engine):
                 )
             # Stages 0-2 replicate parameters: each rank allocates and initialises the whole model.
             materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
-        if init_hook(module) is not None and any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        partitioned = any(hasattr(p, "ds_tensor") for p in module.parameters())
+        if init_hook(module) is not None and partitioned and not getattr(module, _SET_UP, False):
+            # Partitioned before its first set-up: built under zero.Init (a later call finds the fit's partitions).
             log.warning(
                 "ShardStrategy(engine='deepspeed', stage=3): %s.init_weights() is not run: configure_model built"
                 " the model under deepspeed.zero.Init, where each module is initialised by its own constructor"
                 " before it is partitioned. Use engine='fsdp' to have init_weights() run on the allocated shards.",
                 type(module).__name__,
             )
+        setattr(module, _SET_UP, True)
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
             import deepspeed
 
@@ -256,8 +261,13 @@ class DeepSpeedEngine(Engine):
 
         ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
 
-    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         ckpt.check_deepspeed_checkpoint(path)
+        if weights_only is not False:
+            # DeepSpeed unpickles its files with weights_only=False: their globals are checked first.
+            ckpt.check_deepspeed_files(path)
         if not hasattr(model, "load_checkpoint"):
             return self._load_weights_only(model, path)
         load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
@@ -272,7 +282,7 @@ class DeepSpeedEngine(Engine):
 
         Parameters an earlier fit partitioned (ZeRO-3) are filled through DeepSpeed's gather: a plain
         ``load_state_dict`` would copy into their empty local storage and change nothing."""
-        weights = ckpt.load_model_weights(path, weights_only=False)
+        weights = ckpt.load_model_weights(path, weights_only=False)  # its files were checked above
         state = deepspeed_model_states(path)
         ckpt.load_full_state_dict(
             model, weights, path, self.run.is_global_zero, state.get("hyper_parameters")

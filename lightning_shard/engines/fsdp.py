@@ -282,12 +282,14 @@ class FSDPEngine(Engine):
         else:
             ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
 
-    def load_checkpoint(self, model: nn.Module, optimizers: list[Optimizer], path: Path) -> dict[str, Any]:
+    def load_checkpoint(
+        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if self.async_checkpointer is not None:
             self.async_checkpointer.wait()
         if path.is_dir():
-            return ckpt.load_sharded_into(self, model, optimizers, path)
-        return ckpt.load_full_into(self, model, optimizers, path)
+            return ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
+        return ckpt.load_full_into(self, model, optimizers, path, weights_only)
 
     def remove_checkpoint(self, path: Path) -> None:
         if self.async_checkpointer is not None:
