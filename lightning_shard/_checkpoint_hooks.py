@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -20,6 +19,7 @@ from typing_extensions import override
 from lightning_shard import _compat
 from lightning_shard._processes import guarded
 from lightning_shard._steps import EngineSteps
+from lightning_shard.checkpoint import local_path
 from lightning_shard.config import ShardConfig
 
 log = logging.getLogger(__name__)
@@ -80,18 +80,18 @@ class CheckpointHooks(EngineSteps):
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        path = Path(self.broadcast(str(filepath)))
+        path = local_path(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
         assert self.model is not None
         self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self.engine.remove_checkpoint(Path(filepath))
+        self.engine.remove_checkpoint(local_path(filepath, "remove_checkpoint(filepath)"))
 
     @override
     @guarded
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = local_path(self.broadcast(str(checkpoint_path)), "ckpt_path")
         assert self.model is not None
         if weights_only is None:
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.

@@ -29,7 +29,12 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder, ModelSummary
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    ModelCheckpoint,
+    ModelSummary,
+)
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, _tensor_has_shape
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
@@ -39,6 +44,7 @@ from typing_extensions import override
 
 from lightning_shard._lightning_callbacks import check_callbacks
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
+from lightning_shard.checkpoint import local_path
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
 _ADAPTED = "_lightning_shard_adapted"
@@ -60,6 +66,9 @@ def adapt(trainer: Any, strategy: Any) -> None:
     if engine == "deepspeed":
         _refuse_accumulation_schedule(trainer, f"ShardStrategy(stage={stage}, engine='deepspeed')")
     for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            # Before the first step, not at the first save an hour in.
+            local_path(callback.dirpath, f"{type(callback).__name__}(dirpath)")
         if isinstance(callback, ModelSummary):
             use_shard_summary(callback)
         elif isinstance(callback, LearningRateFinder) and engine == "deepspeed":

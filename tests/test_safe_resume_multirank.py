@@ -108,3 +108,39 @@ def test_planted_payloads_are_refused_on_resume_and_run_only_when_opted_in(tmp_p
     for where, marker in markers.items():
         assert marker.exists() == (where == opted_in), where  # nothing ran but what the user opted into
     assert out["opted_in"] == 3
+
+
+def _urls(root: str) -> dict[str, str]:
+    import os
+
+    os.chdir(root)  # where pathlib would have put a directory named "memory:"
+    out = {}
+    url = "memory://bucket/run"
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(stage=3),
+        callbacks=[ModelCheckpoint(dirpath=url, save_last=True)],
+        **trainer_kwargs(max_steps=1, enable_checkpointing=True),
+    )
+    for call, run in (
+        ("dirpath", lambda: trainer.fit(tiny_gpt(), loader(4))),
+        (
+            "ckpt_path",
+            lambda: L.Trainer(devices=2, strategy=ShardStrategy(stage=3), **trainer_kwargs()).fit(
+                tiny_gpt(), loader(4), ckpt_path=f"{url}/last.ckpt"
+            ),
+        ),
+    ):
+        try:
+            run()
+            out[call] = "ran"
+        except ValueError as error:
+            out[call] = str(error)
+    return out
+
+
+def test_checkpoint_urls_are_refused_before_training_and_never_become_local_paths(tmp_path):
+    out = run_ranks(_urls, str(tmp_path))[0]
+    assert "ModelCheckpoint(dirpath)='memory://bucket/run' is a memory:// URL" in out["dirpath"]
+    assert "ckpt_path='memory://bucket/run/last.ckpt' is a memory:// URL" in out["ckpt_path"]
+    assert not list(tmp_path.glob("memory:*"))

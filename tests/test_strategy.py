@@ -193,3 +193,16 @@ def test_one_file_checkpoints_are_refused_with_the_deepspeed_engine_instead_of_i
         ShardStrategy(stage=3, engine="deepspeed", checkpoint="full")
     with pytest.raises(ValueError, match=r"checkpoint='full'\) is not available with the DeepSpeed engine"):
         ShardStrategy(stage=2, offload_optimizer="cpu", checkpoint="full")  # engine="auto" picks DeepSpeed
+
+
+def test_a_checkpoint_url_is_refused_never_turned_into_a_local_path():
+    from pathlib import Path
+
+    from lightning_shard.checkpoint import local_path
+
+    assert local_path("ckpt/last.ckpt", "ckpt_path") == Path("ckpt/last.ckpt")
+    assert local_path("file:///tmp/run/last.ckpt", "ckpt_path") == Path("/tmp/run/last.ckpt")
+    with pytest.raises(
+        ValueError, match=r"ckpt_path='s3://bucket/run/last.ckpt' is a s3:// URL, .* named 's3:'"
+    ):
+        local_path("s3://bucket/run/last.ckpt", "ckpt_path")

@@ -28,6 +28,7 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
+    local_path,
     optimizer_key,
     read_metadata,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "load_lightning_checkpoint",
     "load_model_weights",
     "load_sharded_into",
+    "local_path",
     "new_checkpoint_group",
     "optimizer_key",
     "read_meta",

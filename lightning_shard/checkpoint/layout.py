@@ -13,6 +13,25 @@ MODEL_KEY = "state_dict"
 DEEPSPEED_TAG = "checkpoint"
 
 
+def local_path(path: str | os.PathLike, flag: str) -> Path:
+    """``path`` as a local (or mounted) file-system path; a URL is refused, never turned into a local path.
+
+    ``pathlib`` reads ``"s3://bucket/run"`` as the relative path ``s3:/bucket/run``: a checkpoint would land in a
+    local directory named ``s3:`` while the job looks fine and nothing reaches the bucket.
+    """
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if not sep or "/" in scheme:
+        return Path(text)
+    if scheme == "file":
+        return Path(rest)
+    raise ValueError(
+        f"{flag}={text!r} is a {scheme}:// URL, and ShardStrategy writes and reads checkpoints on a local or"
+        " mounted file system only: the URL would become a local directory named"
+        f" {scheme + ':'!r}. Use a local path, or the bucket mounted as a directory."
+    )
+
+
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
