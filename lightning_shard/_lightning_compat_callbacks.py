@@ -9,7 +9,8 @@ docs/callbacks.md). ``EarlyStopping``, ``ModelCheckpoint`` + ``test(ckpt_path="b
   under its own ``DeepSpeedStrategy``. :class:`ShardSummary` counts what each parameter stands for (FSDP2's
   DTensors already report their global size) and names FSDP2-wrapped layers by the user's class.
 - ``LearningRateMonitor`` names its keys after the optimizer's class: at stage 1 the optimizer is torch's
-  ``ZeroRedundancyOptimizer`` over the user's, and ``lr-SGD`` became ``lr-ZeroRedundancyOptimizer``.
+  ``ZeroRedundancyOptimizer`` over the user's, and ``lr-SGD`` became ``lr-ZeroRedundancyOptimizer``; the
+  engine now builds it under the user's class name (``engines._zero.named_zero_class``).
 - ``Tuner.lr_find`` / ``LearningRateFinder`` put a torch LR scheduler on ``strategy.optimizers[0]``; DeepSpeed's
   ZeRO optimizer is not a torch ``Optimizer`` ("DeepSpeedZeroOptimizer is not an Optimizer"). The search runs
   on the torch optimizer DeepSpeed steps (its learning rates are the ones DeepSpeed uses).
@@ -39,7 +40,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, _tensor_has_shape
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
 from lightning_shard._lightning_callbacks import check_callbacks
@@ -73,8 +73,6 @@ def adapt(trainer: Any, strategy: Any) -> None:
             use_shard_summary(callback)
         elif isinstance(callback, LearningRateFinder) and engine == "deepspeed":
             search_on_torch_optimizer(callback)
-    for optimizer in strategy.optimizers:
-        name_after_sharded_optimizer(optimizer)
 
 
 # --- ModelSummary --------------------------------------------------------------------------------------------
@@ -150,32 +148,6 @@ def use_shard_summary(callback: ModelSummary) -> None:
     A subclass with its own ``_summary`` keeps it: its author chose what to count."""
     if type(callback)._summary is ModelSummary._summary:
         callback._summary = functools.partial(_shard_summary, callback)  # type: ignore[method-assign]
-
-
-# --- LearningRateMonitor -------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _named_zero_class(optimizer_class: type) -> type:
-    return type(
-        optimizer_class.__name__,
-        (ZeroRedundancyOptimizer,),
-        {
-            "__module__": __name__,
-            "__qualname__": f"ZeroRedundancyOptimizer[{optimizer_class.__qualname__}]",
-            "__doc__": f"ZeroRedundancyOptimizer sharding {optimizer_class.__qualname__}.",
-        },
-    )
-
-
-def name_after_sharded_optimizer(optimizer: Any) -> None:
-    """Give a stage-1 ``ZeroRedundancyOptimizer`` the class name of the optimizer it shards.
-
-    Lightning's ``LearningRateMonitor`` keys its metrics by ``type(optimizer).__name__`` (``lr-SGD``, and
-    ``lr-SGD-1`` for a second one): with the class renamed, the keys are DDP's. It stays a
-    ``ZeroRedundancyOptimizer`` (a subclass adding nothing) for every other purpose."""
-    if type(optimizer) is ZeroRedundancyOptimizer:
-        optimizer.__class__ = _named_zero_class(optimizer._optim_constructor)  # type: ignore[attr-defined]
 
 
 # --- Tuner.lr_find / LearningRateFinder ----------------------------------------------------------------------

@@ -187,9 +187,9 @@ def _already_right(engine: str) -> dict[str, Any]:
         frozen = {k: v.detach().clone() for k, v in lora.model.named_parameters() if not v.requires_grad}
         out[name, "lora"] = fit(make(), lora)
         after = full_weights(lora._last_trainer)
-        out[name, "lora_base_unchanged"] = all(
-            torch.equal(after[f"model.{k}"], v) for k, v in frozen.items() if f"model.{k}" in after
-        )
+        compared = [torch.equal(after[f"model.{k}"], v) for k, v in frozen.items() if f"model.{k}" in after]
+        # Every frozen base weight found among the trained ones (not a vacuous all([])), and none moved.
+        out[name, "lora_base_unchanged"] = len(compared) == len(frozen) > 0 and all(compared)
         torch.manual_seed(0)
         checkpointed = CausalLM(tiny_llama_config(), "sgd")
         checkpointed.model.gradient_checkpointing_enable()

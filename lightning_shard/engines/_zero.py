@@ -18,13 +18,33 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+_NAMED: dict[type, type[ZeroRedundancyOptimizer]] = {}
+
+
+def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
+    """``ZeroRedundancyOptimizer`` under the name of the class it shards (a subclass adding nothing).
+
+    Lightning's ``LearningRateMonitor`` keys its metrics by ``type(optimizer).__name__`` (``lr-SGD``, and
+    ``lr-SGD-1`` for a second one): with this name the keys at stage 1 are DDP's."""
+    if optimizer_class not in _NAMED:
+        _NAMED[optimizer_class] = type(
+            optimizer_class.__name__,
+            (ZeroRedundancyOptimizer,),
+            {
+                "__module__": __name__,
+                "__qualname__": f"ZeroRedundancyOptimizer[{optimizer_class.__qualname__}]",
+                "__doc__": f"ZeroRedundancyOptimizer sharding {optimizer_class.__qualname__}.",
+            },
+        )
+    return _NAMED[optimizer_class]
+
 
 def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyOptimizer:
     """A ZeroRedundancyOptimizer of the same class, hyperparameters and param groups as ``optimizer``."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(
+    return named_zero_class(type(optimizer))(
         groups,
         optimizer_class=type(optimizer),
         process_group=process_group,
