@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import lightning_shard.checkpoint._torch_files as torch_files
 
 TMP_SUFFIX = ".tmp"
 
@@ -63,7 +63,7 @@ def save_file(checkpoint: dict[str, Any], path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
     tmp = tmp_path(path)
-    torch.save(checkpoint, tmp)
+    torch_files.save(checkpoint, tmp)
     os.replace(tmp, path)
 
 

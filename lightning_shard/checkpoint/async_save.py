@@ -26,10 +26,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._commit import begin, commit, remove, tmp_path
 from lightning_shard.checkpoint.layout import META_FILENAME
 
@@ -90,7 +90,7 @@ class AsyncCheckpointer:
         try:
             future.result()
             if self.is_rank0:
-                torch.save(meta, tmp / META_FILENAME)
+                torch_files.save(meta, tmp / META_FILENAME)
                 commit(tmp, path)
                 with self._lock:
                     self.last_committed = path

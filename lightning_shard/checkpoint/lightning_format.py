@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint.layout import (
     META_FILENAME,
     MODEL_KEY,
@@ -82,7 +83,7 @@ def load_lightning_checkpoint(
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
     if path.is_file():
-        entries = torch.load(path, map_location="cpu", weights_only=weights_only)
+        entries = torch_files.load(path, weights_only)
         if not isinstance(entries, dict) or not isinstance(entries.get(MODEL_KEY), dict):
             raise ValueError(
                 f"{str(path)!r} is not a Lightning checkpoint (no {MODEL_KEY!r} entry): a plain state dict holds no"
@@ -95,7 +96,7 @@ def load_lightning_checkpoint(
         entries = {k: v for k, v in states.items() if k not in DEEPSPEED_ENTRIES}
         weights = load_model_weights(path, weights_only)
     elif is_sharded_checkpoint(path):
-        entries = torch.load(path / META_FILENAME, map_location="cpu", weights_only=weights_only)
+        entries = torch_files.load(path / META_FILENAME, weights_only)
         weights = load_model_weights(path, weights_only)
     else:
         raise ValueError(
@@ -135,6 +136,10 @@ def install_load_from_checkpoint() -> bool:
         if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
             if is_checkpoint_directory(path_or_url):
                 return load_lightning_checkpoint(path_or_url, map_location, weights_only)
+            if Path(path_or_url).is_file():
+                # Our one-file checkpoints' hyper-parameters (dataclasses, enums) load as under ShardStrategy.
+                with torch_files.allowing(path_or_url, weights_only):
+                    return original(path_or_url, map_location=map_location, weights_only=weights_only)
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     setattr(pl_load, _ADAPTER_FLAG, True)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import lightning_shard.checkpoint._errors as errors
+import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._commit import write_committed
 from lightning_shard.checkpoint._errors import CheckpointLoadError
 from lightning_shard.checkpoint.layout import (
@@ -43,7 +44,7 @@ def save_sharded(
     def write(tmp: Path) -> None:
         dcp.save(state, checkpoint_id=str(tmp))
         if is_rank0:
-            torch.save(meta, tmp / META_FILENAME)
+            torch_files.save(meta, tmp / META_FILENAME)
 
     write_committed(path, write, is_rank0, barrier)
 
@@ -54,7 +55,7 @@ def load_sharded(path: Path, target: dict[str, Any], weights_only: bool | None =
 
 
 def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
-    return torch.load(path / META_FILENAME, weights_only=weights_only, map_location="cpu")
+    return torch_files.load(path / META_FILENAME, weights_only)
 
 
 def load_sharded_into(
@@ -150,7 +151,7 @@ def _read_full(engine: Any, model: Any, path: Path, weights_only: bool | None) -
             " ckpt_path='last' to resume from the newest checkpoint ModelCheckpoint saved."
         )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+        checkpoint = torch_files.load(path, weights_only)
     except Exception as err:  # noqa: BLE001  (a cut-short zip fails in several ways, all the same fault)
         raise errors.unreadable(path, "the file", err) from err
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(MODEL_KEY), dict):

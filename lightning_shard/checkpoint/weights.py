@@ -15,9 +15,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 import lightning_shard.checkpoint._errors as errors
+import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._commit import save_file
 from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
 from lightning_shard.checkpoint.layout import (
@@ -40,7 +42,7 @@ def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
     if path.is_file():
-        checkpoint = torch.load(path, weights_only=weights_only, map_location="cpu")
+        checkpoint = torch_files.load(path, weights_only)
         return checkpoint.get(MODEL_KEY, checkpoint)
     if is_deepspeed_checkpoint(path):
         return _deepspeed_weights(path, weights_only)
@@ -52,13 +54,24 @@ def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None
     reader = metadata_reader(path, weights_only)
     metadata = reader.read_metadata()
     prefix = MODEL_KEY + "."
-    target = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
+    keys = [
+        key
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    dcp.load(target, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
+    ]
+    target = read_dcp_tensors(path, reader, metadata, keys)
     return {key[len(prefix) :]: value for key, value in target.items()}
+
+
+def read_dcp_tensors(
+    path: Path, reader: FileSystemReader, metadata: Metadata, keys: list[str]
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``keys`` (DCP keys, e.g. ``state_dict.layer.weight``) in this process, no process
+    group needed: DCP reads only the byte ranges of the keys in its load target, from every shard file."""
+    entries = metadata.state_dict_metadata
+    target = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}  # type: ignore[union-attr]
+    dcp.load(target, checkpoint_id=str(path), storage_reader=reader, no_dist=True)
+    return target
 
 
 def check_deepspeed_checkpoint(path: Path) -> None:
