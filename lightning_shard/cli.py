@@ -5,6 +5,10 @@ hyperparameters: ``MyModel.load_from_checkpoint(OUT.ckpt)``) from a sharded or D
 directory or a full checkpoint file; with ``--weights-only``, one plain state dict (``torch.load`` +
 ``module.load_state_dict``) instead.
 
+``lightning-shard export CKPT OUT_DIR`` writes a Hugging Face model directory (``config.json`` + safetensors
+files, ``from_pretrained(OUT_DIR)``) from any of those checkpoints, streamed file by file (``--ranks N``
+workers; see docs/export.md).
+
 ``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
 stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md); beyond one node,
 with the ``tensor_parallel_size`` / ``replicate_size`` its TP x PP x DP layout implies.
@@ -127,23 +131,92 @@ def _parser() -> argparse.ArgumentParser:
         "consolidate",
         help="write a checkpoint's full model weights as one file (a Lightning checkpoint, or --weights-only)",
     )
-    consolidate.add_argument(
-        "checkpoint", help="a sharded or DeepSpeed checkpoint directory, or a full checkpoint file"
-    )
+    _checkpoint_arguments(consolidate)
     consolidate.add_argument("out", help="output file, e.g. model.ckpt (model.pt with --weights-only)")
     consolidate.add_argument(
         "--weights-only",
         action="store_true",
         help="write the plain state dict (module.load_state_dict(torch.load(OUT))) instead of a Lightning checkpoint",
     )
-    consolidate.add_argument(
+    _add_export(sub)
+    _add_plan(sub)
+    return parser
+
+
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint to read, and the opt-in out of safe unpickling: the same for every reading command."""
+    parser.add_argument(
+        "checkpoint", help="a sharded or DeepSpeed checkpoint directory, or a full checkpoint file"
+    )
+    parser.add_argument(
         "--trusted",
         action="store_true",
         help="unpickle without torch's weights_only restriction (hyperparameters of custom classes);"
         " only for checkpoints from a source you trust",
     )
-    _add_plan(sub)
-    return parser
+
+
+def _add_export(sub: Any) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a Hugging Face model directory (config.json + safetensors) from a checkpoint, streamed",
+    )
+    _checkpoint_arguments(export)
+    export.add_argument("out_dir", help="the model directory to write (appears only once complete)")
+    export.add_argument(
+        "--config",
+        help="a Hugging Face config.json or model directory (default: the checkpoint's hyperparameters)",
+    )
+    export.add_argument(
+        "--prefix",
+        help="the LightningModule attribute holding the model, e.g. 'model.' ('' for none; default: detected)",
+    )
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB or 200MB (default 5GB)"
+    )
+    export.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], help="cast floating weights (default: as saved)"
+    )
+    export.add_argument(
+        "--architecture", help="transformers model class (default: the config's, else AutoModelForCausalLM)"
+    )
+    export.add_argument(
+        "--ranks", type=_positive_int, default=1, help="worker processes, each writing its share of the files"
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+
+
+def _unpickling_message(err: pickle.UnpicklingError) -> str:
+    from lightning_shard.checkpoint._hf_plan import refusal_cause
+
+    cause = refusal_cause(err)
+    if cause is None:
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"{cause} Add --trusted if you trust the checkpoint's source."
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    try:
+        report = checkpoint.export_hf(
+            args.checkpoint,
+            args.out_dir,
+            config=args.config,
+            prefix=args.prefix,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            architecture=args.architecture,
+            weights_only=False if args.trusted else None,
+            workers=args.ranks,
+            overwrite=args.overwrite,
+        )
+    except pickle.UnpicklingError as err:
+        print(f"lightning-shard export: {_unpickling_message(err)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError, ImportError, ValueError) as err:
+        print(f"lightning-shard export: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {report.out_dir} ({len(report.files)} safetensors file(s), {report.total_bytes} bytes)")
+    return 0
 
 
 def _world(args: argparse.Namespace) -> tuple[int, int]:
@@ -264,18 +337,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.checkpoint, args.out, format=fmt, weights_only=False if args.trusted else None
             )
         except pickle.UnpicklingError as err:
-            # torch's own refusal puts its cause on a "WeightsUnpickler error" line after general advice.
-            lines = str(err).strip().splitlines() or [type(err).__name__]
-            cause = next((line.strip() for line in lines if "WeightsUnpickler error" in line), None)
-            message = (
-                lines[0] if cause is None else f"{cause} Add --trusted if you trust the checkpoint's source."
-            )
-            print(f"lightning-shard consolidate: {message}", file=sys.stderr)
+            print(f"lightning-shard consolidate: {_unpickling_message(err)}", file=sys.stderr)
             return 2
         except (FileNotFoundError, ValueError) as err:
             print(f"lightning-shard consolidate: {err}", file=sys.stderr)
             return 2
         print(f"wrote {out}")
+    elif args.command == "export":
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return _run_export(args)
     elif args.command == "plan":
         from lightning_shard.units import PlanInputError
 

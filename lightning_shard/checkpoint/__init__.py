@@ -11,7 +11,8 @@ kinds), :mod:`.sharded` (DCP save / load into any layout), :mod:`.async_save` (b
 :mod:`.weights` (full weights in one process, ``consolidate``), :mod:`.lightning_format` (any of them as
 the dict ``LightningModule.load_from_checkpoint`` reads; importing this package lets that classmethod read
 our directories), :mod:`._pickles` (``weights_only`` for the pickles DCP and DeepSpeed unpickle themselves),
-:mod:`._errors` (why a resume fails, said on every rank).
+:mod:`._errors` (why a resume fails, said on every rank), :mod:`.hf_export` (a Hugging Face model directory from any
+of them, streamed file by file).
 """
 
 from lightning_shard.checkpoint._commit import TMP_SUFFIX, commit, remove, save_file, write_committed
@@ -22,6 +23,7 @@ from lightning_shard.checkpoint.async_save import (
     AsyncCheckpointError,
     new_checkpoint_group,
 )
+from lightning_shard.checkpoint.hf_export import ExportReport, WorkerReport, export_hf
 from lightning_shard.checkpoint.layout import (
     DEEPSPEED_TAG,
     META_FILENAME,
@@ -54,11 +56,13 @@ __all__ = [
     "AsyncCheckpointError",
     "AsyncCheckpointer",
     "CheckpointLoadError",
+    "ExportReport",
     "ConsolidateFormat",
     "check_deepspeed_checkpoint",
     "check_deepspeed_files",
     "commit",
     "consolidate",
+    "export_hf",
     "install_load_from_checkpoint",
     "is_checkpoint_directory",
     "is_deepspeed_checkpoint",
@@ -76,6 +80,7 @@ __all__ = [
     "remove",
     "save_file",
     "save_sharded",
+    "WorkerReport",
     "write_committed",
 ]
 

@@ -1,0 +1,132 @@
+"""The model tensors of any checkpoint kind, read a subset of keys at a time (for :mod:`.hf_export`).
+
+Each source lists every model tensor's name, shape and dtype without reading a tensor, and reads the tensors
+of the keys asked for and no others:
+
+* a sharded DCP directory (ours at any stage / world size, Lightning's ``ModelParallelStrategy``'s): DCP reads
+  only the byte ranges of the keys in its load target (``no_dist=True``, any number of shard files);
+* one ``torch.save`` file (``checkpoint="full"``, Lightning's ``DDPStrategy``, ``consolidate`` output):
+  ``torch.load(mmap=True)`` (through :mod:`._torch_files`, as every one-file read) maps the file, and only the pages of the tensors copied out are read;
+* a DeepSpeed directory: DeepSpeed's ``zero_to_fp32`` rebuilds the whole model at once, so this source holds
+  the full model in one process (the one exception to streaming).
+
+Keys are the Lightning ``state_dict`` keys (``model.transformer.wte.weight``), without DCP's ``state_dict.``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import lightning_shard.checkpoint._torch_files as torch_files
+from lightning_shard.checkpoint.layout import (
+    META_FILENAME,
+    MODEL_KEY,
+    is_deepspeed_checkpoint,
+    is_sharded_checkpoint,
+    metadata_reader,
+)
+
+SourceKind = Literal["sharded", "file", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of the checkpoint as saved: ``shape`` and ``dtype`` on disk."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+class Source:
+    """One checkpoint, opened for reading; see the module docstring for what each kind reads."""
+
+    def __init__(self, path: str | os.PathLike, weights_only: bool | None) -> None:
+        self.path, self.weights_only = Path(path), weights_only
+        if not self.path.exists():
+            raise FileNotFoundError(f"Checkpoint {str(self.path)!r} does not exist.")
+        self._file: dict[str, Any] | None = None
+        self._full: dict[str, torch.Tensor] | None = None
+        self.kind: SourceKind
+        if self.path.is_file():
+            self.kind = "file"
+            # mmap: the pickle is read now, each tensor's bytes only when that tensor is copied.
+            loaded = torch_files.load(self.path, weights_only, mmap=True)
+            self._file = loaded if isinstance(loaded, dict) else {}
+        elif is_deepspeed_checkpoint(self.path):
+            self.kind = "deepspeed"
+        elif is_sharded_checkpoint(self.path):
+            self.kind = "sharded"
+            self._reader = metadata_reader(self.path, weights_only)
+            self._metadata = self._reader.read_metadata()
+        else:
+            raise ValueError(
+                f"{str(self.path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME})"
+                " nor a DeepSpeed one (no checkpoint/ folder): its save never finished, or it is not a checkpoint."
+            )
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every model tensor of the checkpoint, in saved order; nothing is read but metadata."""
+        if self.kind == "sharded":
+            prefix = MODEL_KEY + "."
+            return {
+                key[len(prefix) :]: TensorInfo(tuple(md.size), md.properties.dtype)
+                for key, md in self._metadata.state_dict_metadata.items()
+                if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+            }
+        state = self._file_weights() if self.kind == "file" else self._deepspeed()
+        return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in state.items() if torch.is_tensor(v)}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors of ``keys`` (and no others), whole, contiguous and owning their memory."""
+        if self.kind == "sharded":
+            from lightning_shard.checkpoint.weights import read_dcp_tensors
+
+            prefix = MODEL_KEY + "."
+            read = read_dcp_tensors(self.path, self._reader, self._metadata, [prefix + key for key in keys])
+            return {key: read[prefix + key] for key in keys}
+        state = self._file_weights() if self.kind == "file" else self._deepspeed()
+        # A copy: an mmap'd tensor may be a view into a storage shared with others (tied weights), which
+        # safetensors refuses, and the copy is what this worker holds, the same as a DCP read.
+        return {key: state[key].detach().clone(memory_format=torch.contiguous_format) for key in keys}
+
+    def hyper_parameters(self) -> Any:
+        """What Lightning saved as ``hyper_parameters`` (None when absent): read only when asked for, since it
+        may hold classes that ``weights_only`` loading refuses."""
+        if self.kind == "file":
+            return (self._file or {}).get("hyper_parameters")
+        if self.kind == "sharded":
+            from lightning_shard.checkpoint.sharded import read_meta
+
+            return read_meta(self.path, self.weights_only).get("hyper_parameters")
+        from lightning_shard.checkpoint.weights import deepspeed_model_states
+
+        return deepspeed_model_states(self.path, self.weights_only).get("hyper_parameters")
+
+    def _file_weights(self) -> dict[str, Any]:
+        content = self._file or {}
+        weights = content.get(MODEL_KEY, content)
+        return weights if isinstance(weights, dict) else {}
+
+    def _deepspeed(self) -> dict[str, torch.Tensor]:
+        if self._full is None:
+            from lightning_shard.checkpoint.weights import load_model_weights
+
+            self._full = load_model_weights(self.path, self.weights_only)
+        return self._full

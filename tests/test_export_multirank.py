@@ -1,0 +1,122 @@
+"""A Hugging Face GPT-2 trained under ``ShardStrategy(stage=3)`` on 2 ranks (and under Lightning's
+``DDPStrategy``) exports to a directory that ``AutoModelForCausalLM.from_pretrained`` reads with logits
+identical to the trained model's; 2 ranks of a process group export the same bytes as one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
+from tests.helpers import full_weights, trainer_kwargs
+
+transformers = pytest.importorskip("transformers", reason="export needs pip install 'lightning-shard[hf]'")
+
+pytestmark = pytest.mark.multirank
+
+VOCAB = 96
+
+
+def gpt2_config() -> dict[str, Any]:
+    # HF defaults stay on (dropout, use_cache): the export must not depend on them.
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32)
+    config.bos_token_id = config.eos_token_id = 0
+    return config.to_dict()
+
+
+class HFCausalLM(L.LightningModule):
+    """A Hugging Face model held as ``self.model``, its config saved as a hyper-parameter dict."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        kwargs = dict(config)
+        torch.manual_seed(0)
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader() -> DataLoader:
+    tokens = torch.randint(0, VOCAB, (16, 16), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(tokens), batch_size=2)
+
+
+def _job(root: str) -> dict[str, Any]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard.checkpoint import export_hf
+
+    out: dict[str, Any] = {}
+    for name, strategy in (("stage3", ShardStrategy(stage=3)), ("ddp", DDPStrategy())):
+        trainer = L.Trainer(
+            devices=2,
+            strategy=strategy,
+            callbacks=[ModelCheckpoint(dirpath=Path(root) / name, save_last=True)],
+            **trainer_kwargs(max_steps=3, enable_checkpointing=True),
+        )
+        trainer.fit(HFCausalLM(gpt2_config()), _loader())
+        out[name] = full_weights(trainer)  # the trained weights, gathered at the end of fit
+    # The export run by the 2 ranks of this process group, each writing its share of the files.
+    report = export_hf(Path(root) / "stage3" / "last.ckpt", Path(root) / "grouped", max_shard_size="20KB")
+    out["grouped"] = report
+    return out
+
+
+def _reference(weights: dict[str, torch.Tensor]) -> Any:
+    model = HFCausalLM(gpt2_config())
+    model.load_state_dict(weights)
+    return model.model.eval()
+
+
+def _logits(model: Any) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
+def test_trained_checkpoints_export_to_identical_logits(tmp_path):
+    from lightning_shard.checkpoint import export_hf, load_model_weights
+
+    out = run_ranks(_job, str(tmp_path))[0]
+    grouped = out["grouped"]
+    assert len(grouped.workers) == 2 and all(w.files for w in grouped.workers)
+    for worker in grouped.workers:  # streaming: each rank read the tensors of its own files, no others
+        own = {grouped.prefix + n for f in worker.files for n in grouped.files[f]}
+        assert set(worker.keys_read) == own and worker.bytes_read == worker.bytes_assigned
+
+    assert (tmp_path / "stage3" / "last.ckpt").is_dir() and (tmp_path / "ddp" / "last.ckpt").is_file()
+    initial = HFCausalLM(gpt2_config()).state_dict()
+    assert not torch.equal(
+        out["stage3"]["model.transformer.wte.weight"], initial["model.transformer.wte.weight"]
+    )
+    for name in ("stage3", "ddp"):
+        ckpt = tmp_path / name / "last.ckpt"
+        trained = _reference(out[name])
+        saved = _reference(load_model_weights(ckpt))
+        assert torch.equal(_logits(saved), _logits(trained))
+        report = export_hf(ckpt, tmp_path / f"{name}-hf", max_shard_size="20KB")
+        assert len(report.files) > 2 and report.prefix == "model."
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf")
+        assert torch.equal(_logits(exported), _logits(trained)), name
+
+    # The same bytes from 2 ranks of a process group as from this one process.
+    one = sorted(p.name for p in (tmp_path / "stage3-hf").iterdir())
+    assert one == sorted(p.name for p in (tmp_path / "grouped").iterdir())
+    for file in one:
+        assert (tmp_path / "stage3-hf" / file).read_bytes() == (tmp_path / "grouped" / file).read_bytes(), (
+            file
+        )
