@@ -20,6 +20,7 @@ from lightning_shard import _compat
 from lightning_shard._processes import guarded
 from lightning_shard._steps import EngineSteps
 from lightning_shard.checkpoint import local_path
+from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
 from lightning_shard.config import ShardConfig
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ class CheckpointHooks(EngineSteps):
     @property
     def _full(self) -> bool:
         return self.config.checkpoint == "full"
+
+    def _location(self, path: str, flag: str) -> Location:
+        """A local path, or an object-store location for the FSDP engine (DeepSpeed writes local files only)."""
+        return local_path(path, flag) if self.config.engine == "deepspeed" else resolve(path, flag)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -80,18 +85,18 @@ class CheckpointHooks(EngineSteps):
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        path = local_path(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
+        path = self._location(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
         assert self.model is not None
         self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self.engine.remove_checkpoint(local_path(filepath, "remove_checkpoint(filepath)"))
+        self.engine.remove_checkpoint(self._location(filepath, "remove_checkpoint(filepath)"))
 
     @override
     @guarded
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = local_path(self.broadcast(str(checkpoint_path)), "ckpt_path")
+        path = follow_alias(self._location(self.broadcast(str(checkpoint_path)), "ckpt_path"))
         assert self.model is not None
         if weights_only is None:
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.

@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightning_shard._lightning_callbacks import check_callbacks
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
 from lightning_shard.checkpoint import local_path
+from lightning_shard.checkpoint.storage import resolve
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
 _ADAPTED = "_lightning_shard_adapted"
@@ -68,7 +69,8 @@ def adapt(trainer: Any, strategy: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             # Before the first step, not at the first save an hour in.
-            local_path(callback.dirpath, f"{type(callback).__name__}(dirpath)")
+            where = local_path if engine == "deepspeed" else resolve
+            where(callback.dirpath, f"{type(callback).__name__}(dirpath)")
         if isinstance(callback, ModelSummary):
             use_shard_summary(callback)
         elif isinstance(callback, LearningRateFinder) and engine == "deepspeed":

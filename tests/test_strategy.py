@@ -195,14 +195,18 @@ def test_one_file_checkpoints_are_refused_with_the_deepspeed_engine_instead_of_i
         ShardStrategy(stage=2, offload_optimizer="cpu", checkpoint="full")  # engine="auto" picks DeepSpeed
 
 
-def test_a_checkpoint_url_is_refused_never_turned_into_a_local_path():
+def test_a_checkpoint_url_is_resolved_or_refused_never_turned_into_a_local_path():
     from pathlib import Path
 
     from lightning_shard.checkpoint import local_path
+    from lightning_shard.checkpoint.storage import Remote, resolve
 
-    assert local_path("ckpt/last.ckpt", "ckpt_path") == Path("ckpt/last.ckpt")
-    assert local_path("file:///tmp/run/last.ckpt", "ckpt_path") == Path("/tmp/run/last.ckpt")
-    with pytest.raises(
-        ValueError, match=r"ckpt_path='s3://bucket/run/last.ckpt' is a s3:// URL, .* named 's3:'"
-    ):
-        local_path("s3://bucket/run/last.ckpt", "ckpt_path")
+    assert resolve("ckpt/last.ckpt", "ckpt_path") == Path("ckpt/last.ckpt")
+    assert resolve("file:///tmp/run/last.ckpt", "ckpt_path") == Path("/tmp/run/last.ckpt")
+    remote = resolve("s3://bucket/run/last.ckpt", "ckpt_path")
+    assert isinstance(remote, Remote) and remote.key == "bucket/run/last.ckpt"
+    assert remote.with_name("epoch=0-step=2.ckpt").url == "s3://bucket/run/epoch=0-step=2.ckpt"
+    with pytest.raises(ValueError, match=r"ckpt_path='ftp://host/run/last.ckpt': ShardStrategy cannot write .* ftp://"):
+        resolve("ftp://host/run/last.ckpt", "ckpt_path")
+    with pytest.raises(ValueError, match=r"dirpath='s3://bucket/run': this writer needs a local .*engine='fsdp'"):
+        local_path("s3://bucket/run", "dirpath")

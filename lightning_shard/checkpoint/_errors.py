@@ -15,13 +15,14 @@ from __future__ import annotations
 import pickle
 import re
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_shard.checkpoint.storage import Location
 
 T = TypeVar("T")
 _SHOWN = 3  # mismatching keys named in a message; the rest are counted
@@ -33,7 +34,9 @@ class CheckpointLoadError(ValueError):
     """A checkpoint cannot be resumed: damaged, incomplete, of another engine, or of another model."""
 
 
-def on_every_rank(path: Path, fn: Callable[[], T], error_class: type[Exception] = CheckpointLoadError) -> T:
+def on_every_rank(
+    path: Location, fn: Callable[[], T], error_class: type[Exception] = CheckpointLoadError
+) -> T:
     """``fn()``, run on every rank; if it raises on any rank, every rank raises.
 
     A failing rank raises its own ``error_class`` (default :class:`CheckpointLoadError`) or
@@ -63,7 +66,7 @@ def on_every_rank(path: Path, fn: Callable[[], T], error_class: type[Exception] 
     return result  # type: ignore[return-value]
 
 
-def describe(path: Path, error: BaseException, known: type[Exception] = CheckpointLoadError) -> str:
+def describe(path: Location, error: BaseException, known: type[Exception] = CheckpointLoadError) -> str:
     if isinstance(error, (known, FileNotFoundError)):
         return str(error)
     return (
@@ -88,7 +91,7 @@ def _first_sentence(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def unreadable(path: Path, file: str, error: BaseException) -> CheckpointLoadError:
+def unreadable(path: Location, file: str, error: BaseException) -> CheckpointLoadError:
     text = str(error)
     refused = "Weights only load failed" in text or "weights_only loading refuses" in text
     if isinstance(error, pickle.UnpicklingError) and refused:
@@ -109,7 +112,7 @@ def unreadable(path: Path, file: str, error: BaseException) -> CheckpointLoadErr
     )
 
 
-def check_files(path: Path, metadata: Metadata) -> None:
+def check_files(path: Location, metadata: Metadata) -> None:
     """Every shard file ``.metadata`` refers to exists and is at least as long as the bytes it names there."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -147,7 +150,7 @@ def target_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]
 
 
 def check_state(
-    path: Path, saved: Shapes, wanted: Shapes, prefix: str, what: str, strict: bool, fix: str
+    path: Location, saved: Shapes, wanted: Shapes, prefix: str, what: str, strict: bool, fix: str
 ) -> None:
     """Raise unless the checkpoint holds every key of ``wanted`` under ``prefix`` with the same shape.
 
@@ -203,7 +206,7 @@ def hparams_hint(saved: Mapping[str, Any] | None, model: Any) -> str:
     return f" It was saved with {then}; this model has {now}."
 
 
-def wrong_engine(path: Path, kind: str, engine: str, fix: str) -> CheckpointLoadError:
+def wrong_engine(path: Location, kind: str, engine: str, fix: str) -> CheckpointLoadError:
     return CheckpointLoadError(
         f"Checkpoint {str(path)!r} is {kind}, which ShardStrategy(engine={engine!r}) cannot resume. {fix}"
     )

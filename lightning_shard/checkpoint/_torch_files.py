@@ -34,6 +34,8 @@ from typing import IO, Any
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 
+from lightning_shard.checkpoint.storage import Remote
+
 _ALWAYS: tuple[type, ...] = (
     AttributeDict,
     argparse.Namespace,
@@ -58,19 +60,26 @@ _PICKLE_MODULE.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if no
 _PICKLE_MODULE.Pickler = _Pickler  # type: ignore[attr-defined]
 
 
-def save(obj: Any, f: str | os.PathLike | IO[bytes]) -> None:
+def save(obj: Any, f: str | os.PathLike | IO[bytes] | Remote) -> None:
     """``torch.save``, with ``AttributeDict`` written so that ``weights_only`` loading can rebuild it."""
+    if isinstance(f, Remote):
+        with f.open("wb") as stream:
+            torch.save(obj, stream, pickle_module=_PICKLE_MODULE)
+        return
     torch.save(obj, f, pickle_module=_PICKLE_MODULE)
 
 
 def load(
-    f: str | os.PathLike | IO[bytes],
+    f: str | os.PathLike | IO[bytes] | Remote,
     weights_only: bool | None,
     map_location: Any = "cpu",
     mmap: bool = False,
 ) -> Any:
     """``torch.load(f, weights_only=...)``; unless ``weights_only is False``, the hyper-parameter classes the
     file names that are harmless (see the module docstring) are allowed for this one load."""
+    if isinstance(f, Remote):
+        with f.open("rb") as stream:
+            f = io.BytesIO(stream.read())
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": weights_only}
     if mmap:
         kwargs["mmap"] = True

@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -32,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._commit import begin, commit, remove, tmp_path
 from lightning_shard.checkpoint.layout import META_FILENAME
+from lightning_shard.checkpoint.storage import Location, Remote, storage_writer
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +47,19 @@ class AsyncCheckpointer:
         self.is_rank0 = is_rank0
         self.process_group = process_group
         self._future: Future | None = None
-        self._path: Path | None = None
+        self._path: Location | None = None
         self._step: int | None = None
         self._committed = threading.Event()
         self._committed.set()
         self._lock = threading.Lock()
-        self._aliases: list[Path] = []
-        self._removals: list[Path] = []
+        self._aliases: list[Location] = []
+        self._removals: list[Location] = []
         self._error: BaseException | None = None
-        self.last_committed: Path | None = None
+        self.last_committed: Location | None = None
         self.closed = False
 
     def save(
-        self, state: dict[str, Any], meta: dict[str, Any], path: Path, barrier: Any, alias: bool = True
+        self, state: dict[str, Any], meta: dict[str, Any], path: Location, barrier: Any, alias: bool = True
     ) -> None:
         """Start writing ``state`` to ``path``; returns once the state is staged in host memory.
 
@@ -82,11 +82,19 @@ class AsyncCheckpointer:
         self._committed.clear()
         self._path, self._step, self._aliases = path, step, []
         # Thread mode returns a plain Future (AsyncSaveResponse only comes with async staging).
-        future = cast(Future, dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.process_group))
+        future = cast(
+            Future,
+            dcp.async_save(
+                state,
+                checkpoint_id=str(tmp),
+                storage_writer=storage_writer(tmp),
+                process_group=self.process_group,
+            ),
+        )
         self._future = future
         future.add_done_callback(lambda f: self._finish(f, tmp, path, meta))
 
-    def _finish(self, future: Future, tmp: Path, path: Path, meta: dict[str, Any]) -> None:
+    def _finish(self, future: Future, tmp: Location, path: Location, meta: dict[str, Any]) -> None:
         try:
             future.result()
             if self.is_rank0:
@@ -117,7 +125,7 @@ class AsyncCheckpointer:
                 " permissions of the checkpoint directory."
             ) from error
 
-    def remove(self, path: Path) -> None:
+    def remove(self, path: Location) -> None:
         """Remove a checkpoint, or defer that until the pending save has committed."""
         if not self.is_rank0:
             return
@@ -127,7 +135,7 @@ class AsyncCheckpointer:
                 return
             self._remove_now(path)
 
-    def _remove_now(self, path: Path) -> None:
+    def _remove_now(self, path: Location) -> None:
         if path == self.last_committed or path == self._path:
             return
         try:
@@ -136,10 +144,15 @@ class AsyncCheckpointer:
             # A failed delete must not kill the commit thread, or later commits would never happen.
             log.warning("Could not remove old checkpoint %s: %s", path, err)
 
-    def _make_alias(self, alias: Path) -> None:
+    def _make_alias(self, alias: Location) -> None:
         if not self.is_rank0 or self._path is None:
             return
         target = self._path
+        if isinstance(alias, Remote) or isinstance(target, Remote):
+            assert isinstance(alias, Remote) and isinstance(target, Remote)
+            remove(alias)
+            alias.write_alias(target)  # one object: visible whole, after the checkpoint it names committed
+            return
         tmp_link = tmp_path(alias.with_name(alias.name + ".link"))
         remove(tmp_link)
         os.symlink(os.path.relpath(target, alias.parent), tmp_link)

@@ -31,7 +31,9 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
+    local_path,
 )
+from lightning_shard.checkpoint.storage import Remote, follow_alias, resolve
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +65,22 @@ DEEPSPEED_ENTRIES = (
 )
 
 
-def is_checkpoint_directory(path: str | os.PathLike) -> bool:
+def is_checkpoint_directory(path: str | os.PathLike | Remote) -> bool:
     """A directory in one of the pack's layouts (sharded DCP, or DeepSpeed's)."""
     return is_sharded_checkpoint(path) or is_deepspeed_checkpoint(path)
 
 
+def _our_url(path: str) -> Remote | None:
+    """A checkpoint in one of our layouts at an object-store URL (an alias object followed), else ``None``."""
+    try:
+        location = follow_alias(resolve(path, "checkpoint_path"))
+    except (ValueError, ImportError):
+        return None  # a URL Lightning's own loader reads (http://), or a store whose extra is absent
+    return location if isinstance(location, Remote) and is_checkpoint_directory(location) else None
+
+
 def load_lightning_checkpoint(
-    path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
+    given: str | os.PathLike | Remote, map_location: Any = None, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """A Lightning checkpoint dict, full weights in ``state_dict``, from any checkpoint the pack writes.
 
@@ -79,7 +90,7 @@ def load_lightning_checkpoint(
     """
     from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights
 
-    path = Path(path)
+    path = follow_alias(resolve(given, "path"))
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
     if path.is_file():
@@ -92,7 +103,7 @@ def load_lightning_checkpoint(
             )
         weights = entries.pop(MODEL_KEY)
     elif is_deepspeed_checkpoint(path):
-        states = deepspeed_model_states(path, weights_only)
+        states = deepspeed_model_states(local_path(str(path), "path"), weights_only)
         entries = {k: v for k, v in states.items() if k not in DEEPSPEED_ENTRIES}
         weights = load_model_weights(path, weights_only)
     elif is_sharded_checkpoint(path):
@@ -133,6 +144,10 @@ def install_load_from_checkpoint() -> bool:
 
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and "://" in str(path_or_url):
+            remote = _our_url(str(path_or_url))
+            if remote is not None:
+                return load_lightning_checkpoint(remote, map_location, weights_only)
         if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
             if is_checkpoint_directory(path_or_url):
                 return load_lightning_checkpoint(path_or_url, map_location, weights_only)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,32 +33,33 @@ from lightning_shard.checkpoint.layout import (
     optimizer_key,
     read_metadata,
 )
+from lightning_shard.checkpoint.storage import Location, storage_writer
 
 
 def save_sharded(
-    path: Path, state: dict[str, Any], meta: dict[str, Any], is_rank0: bool, barrier: Callable[[], None]
+    path: Location, state: dict[str, Any], meta: dict[str, Any], is_rank0: bool, barrier: Callable[[], None]
 ) -> None:
     """Write ``state`` as DCP shards plus ``meta`` under ``path``, visible only once complete."""
 
-    def write(tmp: Path) -> None:
-        dcp.save(state, checkpoint_id=str(tmp))
+    def write(tmp: Location) -> None:
+        dcp.save(state, checkpoint_id=str(tmp), storage_writer=storage_writer(tmp))
         if is_rank0:
             torch_files.save(meta, tmp / META_FILENAME)
 
     write_committed(path, write, is_rank0, barrier)
 
 
-def load_sharded(path: Path, target: dict[str, Any], weights_only: bool | None = None) -> None:
+def load_sharded(path: Location, target: dict[str, Any], weights_only: bool | None = None) -> None:
     """Fill ``target`` (model / optimizer state dicts of this rank's layout) in place from ``path``."""
     dcp.load(target, checkpoint_id=str(path), storage_reader=metadata_reader(path, weights_only))
 
 
-def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+def read_meta(path: Location, weights_only: bool | None = None) -> dict[str, Any]:
     return torch_files.load(path / META_FILENAME, weights_only)
 
 
 def load_sharded_into(
-    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None = None
+    engine: Any, model: Any, optimizers: list[Any], path: Location, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into this rank's (any stage, any world size) layout; return Lightning's meta.
 
@@ -89,7 +89,7 @@ def load_sharded_into(
 
 
 def _sharded_target(
-    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None
+    engine: Any, model: Any, optimizers: list[Any], path: Location, weights_only: bool | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's meta and this rank's empty load target, once the checkpoint is known to fit it."""
     if is_deepspeed_checkpoint(path):
@@ -130,7 +130,7 @@ def _sharded_target(
 
 
 def load_full_into(
-    engine: Any, model: Any, optimizers: list[Any], path: Path, weights_only: bool | None = None
+    engine: Any, model: Any, optimizers: list[Any], path: Location, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load a one-file checkpoint (``checkpoint="full"``) into this rank's layout; return it."""
     checkpoint = errors.on_every_rank(path, lambda: _read_full(engine, model, path, weights_only))
@@ -144,7 +144,7 @@ def load_full_into(
     return checkpoint
 
 
-def _read_full(engine: Any, model: Any, path: Path, weights_only: bool | None) -> dict[str, Any]:
+def _read_full(engine: Any, model: Any, path: Location, weights_only: bool | None) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(
             f"Checkpoint {str(path)!r} does not exist. Check the path given as ckpt_path, or pass"

@@ -28,24 +28,28 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
+    local_path,
     metadata_reader,
 )
+from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, resolve
 
 
-def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, torch.Tensor]:
+def load_model_weights(
+    given: str | os.PathLike | Remote, weights_only: bool | None = None
+) -> dict[str, torch.Tensor]:
     """The full model state dict of a checkpoint (sharded or DeepSpeed directory, or a file), in this process.
 
     Needs no process group: DCP reads every shard of the requested keys, DeepSpeed's ``zero_to_fp32``
     every rank's partitions. A file is a Lightning checkpoint (its ``state_dict``) or a plain state dict.
     """
-    path = Path(path)
+    path = follow_alias(resolve(given, "path"))
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
     if path.is_file():
         checkpoint = torch_files.load(path, weights_only)
         return checkpoint.get(MODEL_KEY, checkpoint)
     if is_deepspeed_checkpoint(path):
-        return _deepspeed_weights(path, weights_only)
+        return _deepspeed_weights(local_path(str(path), "path"), weights_only)
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"
@@ -64,7 +68,7 @@ def load_model_weights(path: str | os.PathLike, weights_only: bool | None = None
 
 
 def read_dcp_tensors(
-    path: Path, reader: FileSystemReader, metadata: Metadata, keys: list[str]
+    path: Location, reader: FileSystemReader, metadata: Metadata, keys: list[str]
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of ``keys`` (DCP keys, e.g. ``state_dict.layer.weight``) in this process, no process
     group needed: DCP reads only the byte ranges of the keys in its load target, from every shard file."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch.optim import Optimizer
 from lightning_shard import _compat
 from lightning_shard.config import ShardConfig
 from lightning_shard.precision import ShardPrecision
+
+if TYPE_CHECKING:
+    from lightning_shard.checkpoint.storage import Location
 
 PLACES = ("accelerator", "host", "nvme")
 KINDS = ("parameters", "gradients", "optimizer")
@@ -182,7 +185,7 @@ class Engine(ABC):
         model: nn.Module,
         optimizers: list[Optimizer],
         checkpoint: dict[str, Any],
-        path: Path,
+        path: Location,
         exception: bool = False,
     ) -> None:
         """Write ``checkpoint`` (Lightning's dict, model and optimizer state filled in) under ``path``,
@@ -191,14 +194,14 @@ class Engine(ABC):
 
     @abstractmethod
     def load_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+        self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load model (and, where given, optimizer) state from ``path``; return Lightning's remaining dict.
 
         ``weights_only`` as Lightning passes it (``None``: torch's default, ``True``): only ``False`` lets the
         checkpoint's pickles name globals beyond torch's allowlist."""
 
-    def remove_checkpoint(self, path: Path) -> None:
+    def remove_checkpoint(self, path: Location) -> None:
         if self.run.is_global_zero:
             from lightning_shard.checkpoint import remove
 

@@ -1,0 +1,153 @@
+"""Checkpoints on an object store through fsspec (``s3fs``), against a real S3 server started here (``moto`` in
+server mode on localhost; the endpoint comes from ``AWS_ENDPOINT_URL``, as boto users set it): a 2-rank async save
+lands in the bucket, resumes on 1 rank exactly, consolidates and loads with ``load_from_checkpoint``; a job
+killed mid-save leaves no checkpoint a reader would take for complete, and the previous one resumes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_shard import ShardStrategy
+from lightning_shard.checkpoint import AsyncCheckpointer, load_model_weights
+from lightning_shard.checkpoint.storage import ALIAS_HEADER
+from lightning_shard.demos import GPTModule
+from lightning_shard.demos.ranks import free_port, run_ranks
+from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
+
+s3fs = pytest.importorskip("s3fs", reason="needs the [s3] extra: pip install 'lightning-shard[s3]'")
+pytest.importorskip("moto.server", reason="needs moto's S3 server (the [dev] extra) to test against")
+
+pytestmark = pytest.mark.multirank
+N = 16  # 2 global batches of 8 per epoch: every checkpoint sits at an epoch boundary
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # spawned ranks inherit it
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("ckpt")
+        yield fs
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class SGDGPT(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(**vars(tiny_gpt().hparams))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit(world: int, max_steps: int, dirpath: str | None = None, resume: str | None = None, kill_at: int = 0):
+    if kill_at:
+        _crash_before_commit(kill_at)
+    recorder = LossRecorder()
+    callbacks: list[L.Callback] = [recorder]
+    if dirpath is not None:
+        callbacks.append(
+            ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)
+        )
+    trainer = L.Trainer(
+        devices=world,
+        strategy=ShardStrategy(stage=3, async_checkpoint=True),
+        callbacks=callbacks,
+        **trainer_kwargs(max_steps=max_steps, enable_checkpointing=dirpath is not None),
+    )
+    trainer.fit(SGDGPT(), loader(8 // world, n=N), ckpt_path=resume)
+    return recorder.losses, full_weights(trainer)
+
+
+def _crash_before_commit(step: int) -> None:
+    """Rank 0 dies after every rank's shards and DCP's ``.metadata`` are stored, before the commit marker:
+    the worst moment to die, made certain instead of left to a timer."""
+    finish = AsyncCheckpointer._finish
+
+    def dying(self: AsyncCheckpointer, future: Any, tmp: Any, path: Any, meta: dict[str, Any]) -> None:
+        if meta.get("global_step") == step and self.is_rank0:
+            future.result()
+            os._exit(17)
+        finish(self, future, tmp, path, meta)
+
+    AsyncCheckpointer._finish = dying  # type: ignore[method-assign]
+
+
+def test_async_save_on_two_ranks_resume_on_one_consolidate_and_load(s3: Any, tmp_path: Path) -> None:
+    reference, weights = run_ranks(_fit, 2, 6, "s3://ckpt/run")[0]
+    assert not Path("s3:").exists(), "a URL became a local directory"
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls("ckpt/run", refresh=True))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
+    for name in names[:3]:
+        files = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"ckpt/run/{name}", refresh=True))
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], name
+    assert s3.cat("ckpt/run/last.ckpt") == ALIAS_HEADER + b"epoch=2-step=6.ckpt"
+
+    resumed, _ = run_ranks(_fit, 1, 6, None, "s3://ckpt/run/epoch=0-step=2.ckpt", world_size=1)[0]
+    torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
+
+    # Through the alias, in one process, no process group: consolidate's reader and load_from_checkpoint.
+    consolidated = load_model_weights("s3://ckpt/run/last.ckpt")
+    for name, tensor in weights.items():
+        torch.testing.assert_close(consolidated[name], tensor, rtol=0, atol=0)
+    loaded = SGDGPT.load_from_checkpoint("s3://ckpt/run/last.ckpt")
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, consolidated[name], rtol=0, atol=0)
+
+
+def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_to_resume(s3: Any) -> None:
+    reference, _ = run_ranks(_fit, 2, 6, "s3://ckpt/other")[0]
+    with pytest.raises(Exception, match="exit code|exited"):
+        run_ranks(_fit, 2, 6, "s3://ckpt/kill", kill_at=4)
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls("ckpt/kill", refresh=True))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    # Every rank's shards and .metadata of step 4 are there, its marker is not: not a checkpoint.
+    assert s3.exists("ckpt/kill/epoch=1-step=4.ckpt/.metadata")
+    assert not s3.exists("ckpt/kill/epoch=1-step=4.ckpt/meta.pt")
+    assert s3.cat("ckpt/kill/last.ckpt") == ALIAS_HEADER + b"epoch=0-step=2.ckpt"
+    with pytest.raises(
+        Exception, match=r"CheckpointLoadError.*epoch=1-step=4.ckpt.*not a complete sharded checkpoint"
+    ):
+        run_ranks(_fit, 1, 6, None, "s3://ckpt/kill/epoch=1-step=4.ckpt", world_size=1)
+    resumed, _ = run_ranks(_fit, 1, 6, None, "s3://ckpt/kill/last.ckpt", world_size=1)[0]
+    torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
