@@ -34,7 +34,7 @@ def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert all(c.startswith("pip install torch==2.13.0") for c in commands)
     *installs, test_command = (part.strip() for part in commands[1].split("&&"))
     # DeepSpeed's tests run too: DeepSpeed builds against the installed torch, so without build isolation.
-    assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed]"'
+    assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed,s3,hf]"'
     assert test_command == "python -m pytest -q"
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
     # CI installs with exactly the README's commands, in order, and ends with its test command.

@@ -6,10 +6,6 @@ killed mid-save leaves no checkpoint a reader would take for complete, and the p
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,8 @@ from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import AsyncCheckpointer, load_model_weights
 from lightning_shard.checkpoint.storage import ALIAS_HEADER
 from lightning_shard.demos import GPTModule
-from lightning_shard.demos.ranks import free_port, run_ranks
+from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.demos.s3 import local_s3_server
 from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
 
 s3fs = pytest.importorskip("s3fs", reason="needs the [s3] extra: pip install 'lightning-shard[s3]'")
@@ -35,41 +32,8 @@ N = 16  # 2 global batches of 8 per epoch: every checkpoint sits at an epoch bou
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # spawned ranks inherit it
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.1)
-        fs = s3fs.S3FileSystem()
-        fs.mkdir("ckpt")
+    with local_s3_server(bucket="ckpt") as fs:  # spawned ranks inherit its AWS_ENDPOINT_URL
         yield fs
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class SGDGPT(GPTModule):
