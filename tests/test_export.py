@@ -188,3 +188,22 @@ def test_refused_hyper_parameters_name_config_and_trusted(tmp_path, capsys):
         out = tmp_path / f"hf-{source.name}"
         assert export_hf(source, out, max_shard_size=SMALL, **kwargs).prefix == "model."
         assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained(out)), logits(model))
+
+
+def test_the_commands_docs_export_shows_run(tmp_path, monkeypatch):
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", doc, re.S)[0].strip().splitlines()
+    (python,) = re.findall(r"```python\n(.*?)```", doc, re.S)[:1]
+    (tmp_path / "checkpoints").mkdir()
+    _, model = lightning_file(tmp_path / "checkpoints", gpt2_config())
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert command.startswith("lightning-shard export ")
+        assert main(shlex.split(command)[1:]) == 0, command
+    namespace: dict[str, Any] = {}
+    exec(python, namespace)
+    assert torch.equal(logits(namespace["model"]), logits(model))
+    assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained("hf-model")), logits(model))

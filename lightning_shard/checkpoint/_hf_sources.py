@@ -16,6 +16,7 @@ Keys are the Lightning ``state_dict`` keys (``model.transformer.wte.weight``), w
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -99,7 +100,13 @@ class Source:
             from lightning_shard.checkpoint.weights import read_dcp_tensors
 
             prefix = MODEL_KEY + "."
-            read = read_dcp_tensors(self.path, self._reader, self._metadata, [prefix + key for key in keys])
+            with (
+                warnings.catch_warnings()
+            ):  # one process is meant (no_dist=True); said once per file otherwise
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                read = read_dcp_tensors(
+                    self.path, self._reader, self._metadata, [prefix + key for key in keys]
+                )
             return {key: read[prefix + key] for key in keys}
         state = self._file_weights() if self.kind == "file" else self._deepspeed()
         # A copy: an mmap'd tensor may be a view into a storage shared with others (tied weights), which

@@ -56,7 +56,9 @@ class WorkerReport:
     #: The most bytes of tensors held at once (one file's); bounded by the largest file, not the model.
     max_bytes_held: int = 0
     seconds: float = 0.0
-    #: ``ru_maxrss`` (bytes) when the worker started writing, and at its end.
+    #: Resident bytes when the worker started reading, and its resident high-water mark at the end (Linux:
+    #: ``VmRSS`` / ``VmHWM``, which start afresh in a new process; elsewhere ``ru_maxrss`` for both, which a
+    #: spawned process inherits from its parent's peak).
     baseline_rss_bytes: int = 0
     peak_rss_bytes: int = 0
 
@@ -133,12 +135,10 @@ def export_hf(
     barrier = dist.barrier if grouped else (lambda: None)
     tmp = _commit.begin(out, rank == 0, barrier)
     mine = assign(plan, world)[rank]
-    report = write_files(plan, mine, tmp, rank, source if rank == 0 else None)
-    reports = [report]
     if grouped:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, report)
-        reports = gathered
+        reports = _write_on_every_rank(plan, mine, tmp, rank, world, source)
+    else:
+        reports = [write_files(plan, mine, tmp, rank, source)]
     if rank == 0:
         _finish(plan, tmp, out, config_obj, model)
     barrier()
@@ -176,6 +176,27 @@ def _broadcast(plan: ExportPlan | None, error: Exception | None) -> ExportPlan |
     return box[0] if error is None else None
 
 
+def _write_on_every_rank(
+    plan: ExportPlan, mine: list[str], tmp: Path, rank: int, world: int, source: Source | None
+) -> list[WorkerReport]:
+    """Every rank's report; a rank whose writing fails raises, and the others raise with its message instead
+    of waiting for it in the next collective."""
+    outcome: Any
+    failure: Exception | None = None
+    try:
+        outcome = write_files(plan, mine, tmp, rank, source)
+    except Exception as err:  # noqa: BLE001  (re-raised below, after the other ranks are told)
+        failure, outcome = err, f"{type(err).__name__}: {err}"
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, outcome)
+    if failure is not None:
+        raise failure
+    failed = [(r, text) for r, text in enumerate(gathered) if isinstance(text, str)]
+    if failed:
+        raise RuntimeError(f"export_hf failed on rank {failed[0][0]}, so every rank stops: {failed[0][1]}")
+    return gathered
+
+
 def assign(plan: ExportPlan, world: int) -> list[list[str]]:
     """The output files of each worker: largest first to the least loaded (a DeepSpeed source: all to rank 0)."""
     shares: list[list[str]] = [[] for _ in range(world)]
@@ -196,7 +217,7 @@ def write_files(
     """One worker: each file's tensors read, cast, written and freed before the next file is read."""
     from safetensors.torch import save_file
 
-    report = WorkerReport(rank=rank, files=list(names), baseline_rss_bytes=_maxrss())
+    report = WorkerReport(rank=rank, files=list(names), baseline_rss_bytes=rss()[0])
     report.bytes_assigned = sum(plan.file_bytes(name) for name in names)
     start = time.perf_counter()
     if names and source is None:
@@ -218,12 +239,19 @@ def write_files(
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         del tensors, read
     report.seconds = time.perf_counter() - start
-    report.peak_rss_bytes = _maxrss()
+    report.peak_rss_bytes = rss()[1]
     return report
 
 
-def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def rss() -> tuple[int, int]:
+    """(resident bytes now, this process's resident high-water mark); see ``WorkerReport.peak_rss_bytes``."""
+    try:
+        with open("/proc/self/status") as f:
+            found = {line[:5]: int(line.split()[1]) * 1024 for line in f if line[:5] in ("VmRSS", "VmHWM")}
+        return found["VmRSS"], found["VmHWM"]
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return peak, peak
 
 
 def _finish(plan: ExportPlan, tmp: Path, out: Path, config: Any, model: Any) -> None:
