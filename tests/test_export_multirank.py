@@ -1,5 +1,5 @@
 """A Hugging Face GPT-2 trained under ``ShardStrategy(stage=3)`` on 2 ranks (and under Lightning's
-``DDPStrategy``) exports to a directory that ``AutoModelForCausalLM.from_pretrained`` reads with logits
+``DDPStrategy``, ``ModelParallelStrategy``, and the DeepSpeed engine) exports to a directory that ``AutoModelForCausalLM.from_pretrained`` reads with logits
 identical to the trained model's; 2 ranks of a process group export the same bytes as one process."""
 
 from __future__ import annotations
@@ -43,6 +43,20 @@ class HFCausalLM(L.LightningModule):
             transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
         )
 
+    def configure_model(self) -> None:
+        """FSDP2 by hand under Lightning's ModelParallelStrategy, as that strategy asks of its users."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        trainer = self._trainer
+        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+            return
+        if not isinstance(self.model, FSDPModule):
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch[0], labels=batch[0]).loss
 
@@ -55,25 +69,37 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(tokens), batch_size=2)
 
 
+def _fit(root: str, name: str, strategy: Any) -> dict[str, torch.Tensor] | None:
+    trainer = L.Trainer(
+        devices=2,
+        strategy=strategy,
+        callbacks=[ModelCheckpoint(dirpath=Path(root) / name, save_last=True)],
+        **trainer_kwargs(max_steps=3, enable_checkpointing=True),
+    )
+    trainer.fit(HFCausalLM(gpt2_config()), _loader())
+    if isinstance(strategy, ShardStrategy) and strategy.engine_name == "deepspeed":
+        return None  # ZeRO-3 partitions are DeepSpeed's: its own zero_to_fp32 gives the reference
+    return full_weights(trainer)  # the trained weights, gathered at the end of fit
+
+
 def _job(root: str) -> dict[str, Any]:
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_shard.checkpoint import export_hf
 
-    out: dict[str, Any] = {}
-    for name, strategy in (("stage3", ShardStrategy(stage=3)), ("ddp", DDPStrategy())):
-        trainer = L.Trainer(
-            devices=2,
-            strategy=strategy,
-            callbacks=[ModelCheckpoint(dirpath=Path(root) / name, save_last=True)],
-            **trainer_kwargs(max_steps=3, enable_checkpointing=True),
-        )
-        trainer.fit(HFCausalLM(gpt2_config()), _loader())
-        out[name] = full_weights(trainer)  # the trained weights, gathered at the end of fit
+    out: dict[str, Any] = {
+        "stage3": _fit(root, "stage3", ShardStrategy(stage=3)),
+        "ddp": _fit(root, "ddp", DDPStrategy()),
+        "model_parallel": _fit(root, "model_parallel", ModelParallelStrategy(2, 1)),
+    }
     # The export run by the 2 ranks of this process group, each writing its share of the files.
     report = export_hf(Path(root) / "stage3" / "last.ckpt", Path(root) / "grouped", max_shard_size="20KB")
     out["grouped"] = report
     return out
+
+
+def _deepspeed_job(root: str) -> None:
+    _fit(root, "deepspeed", ShardStrategy(stage=3, engine="deepspeed"))
 
 
 def _reference(weights: dict[str, torch.Tensor]) -> Any:
@@ -89,7 +115,6 @@ def _logits(model: Any) -> torch.Tensor:
 
 
 def test_trained_checkpoints_export_to_identical_logits(tmp_path):
-    from lightning_shard.checkpoint import export_hf, load_model_weights
 
     out = run_ranks(_job, str(tmp_path))[0]
     grouped = out["grouped"]
@@ -103,15 +128,8 @@ def test_trained_checkpoints_export_to_identical_logits(tmp_path):
     assert not torch.equal(
         out["stage3"]["model.transformer.wte.weight"], initial["model.transformer.wte.weight"]
     )
-    for name in ("stage3", "ddp"):
-        ckpt = tmp_path / name / "last.ckpt"
-        trained = _reference(out[name])
-        saved = _reference(load_model_weights(ckpt))
-        assert torch.equal(_logits(saved), _logits(trained))
-        report = export_hf(ckpt, tmp_path / f"{name}-hf", max_shard_size="20KB")
-        assert len(report.files) > 2 and report.prefix == "model."
-        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf")
-        assert torch.equal(_logits(exported), _logits(trained)), name
+    for name in ("stage3", "ddp", "model_parallel"):
+        _check_export(tmp_path, name, out[name])
 
     # The same bytes from 2 ranks of a process group as from this one process.
     one = sorted(p.name for p in (tmp_path / "stage3-hf").iterdir())
@@ -120,3 +138,23 @@ def test_trained_checkpoints_export_to_identical_logits(tmp_path):
         assert (tmp_path / "stage3-hf" / file).read_bytes() == (tmp_path / "grouped" / file).read_bytes(), (
             file
         )
+
+
+def _check_export(root: Path, name: str, trained_weights: dict[str, torch.Tensor] | None) -> None:
+    from lightning_shard.checkpoint import export_hf, load_model_weights
+
+    ckpt = root / name / "last.ckpt"
+    saved = _reference(load_model_weights(ckpt))
+    trained = saved if trained_weights is None else _reference(trained_weights)
+    assert torch.equal(_logits(saved), _logits(trained))  # the save is exact
+    report = export_hf(ckpt, root / f"{name}-hf", max_shard_size="20KB")
+    assert len(report.files) > 2 and report.prefix == "model."
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / f"{name}-hf")
+    assert torch.equal(_logits(exported), _logits(trained)), name
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_checkpoint_exports_to_identical_logits(tmp_path):
+    run_ranks(_deepspeed_job, str(tmp_path))
+    assert (tmp_path / "deepspeed" / "last.ckpt" / "checkpoint").is_dir()
+    _check_export(tmp_path, "deepspeed", None)
