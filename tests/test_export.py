@@ -207,3 +207,12 @@ def test_the_commands_docs_export_shows_run(tmp_path, monkeypatch):
     exec(python, namespace)
     assert torch.equal(logits(namespace["model"]), logits(model))
     assert torch.equal(logits(transformers.AutoModelForCausalLM.from_pretrained("hf-model")), logits(model))
+
+
+def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    path, _ = lightning_file(tmp_path, gpt2_config())
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when absent
+    with pytest.raises(ImportError, match=r"pip install 'lightning-shard\[hf\]'"):
+        export_hf(path, tmp_path / "hf")

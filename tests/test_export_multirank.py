@@ -158,3 +158,34 @@ def test_deepspeed_checkpoint_exports_to_identical_logits(tmp_path):
     run_ranks(_deepspeed_job, str(tmp_path))
     assert (tmp_path / "deepspeed" / "last.ckpt" / "checkpoint").is_dir()
     _check_export(tmp_path, "deepspeed", None)
+
+
+def _grouped_failure_job(checkpoint: str, out: str) -> str:
+    import torch.distributed as dist
+
+    from lightning_shard.checkpoint import export_hf
+
+    dist.init_process_group("gloo")
+    try:
+        export_hf(checkpoint, out)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_failure_on_rank0_stops_every_rank_with_its_message(tmp_path):
+    from lightning_shard.checkpoint import export_hf
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    )
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "x.ckpt")
+    rank0, rank1 = run_ranks(_grouped_failure_job, str(tmp_path / "x.ckpt"), str(tmp_path / "hf"))
+    assert rank0.startswith("ValueError: No Hugging Face config found") and "--config" in rank0
+    assert rank1.startswith(
+        "RuntimeError: export_hf failed on rank 0, so every rank stops: ValueError: No Hugging"
+    )
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match=r"workers=0 must be at least 1 \(CLI --ranks N\)"):
+        export_hf(tmp_path / "x.ckpt", tmp_path / "hf", workers=0)
