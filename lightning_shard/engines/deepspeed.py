@@ -30,6 +30,7 @@ from lightning_shard import checkpoint as ckpt
 from lightning_shard import offload
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
+from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
@@ -270,6 +271,13 @@ class DeepSpeedEngine(Engine):
             ckpt.check_deepspeed_files(path)
         if not hasattr(model, "load_checkpoint"):
             return self._load_weights_only(model, path)
+        run = self.run
+        # Saved on another world size: through DeepSpeed's universal checkpoint (or its weights alone).
+        moved = load_into_deepspeed(
+            model, path, run.world_size, run.is_global_zero, run.barrier, self.precision.is_mixed
+        )
+        if moved is not None:
+            return moved
         load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
             str(path), tag=TAG, load_lr_scheduler_states=False
         )
