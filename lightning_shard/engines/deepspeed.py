@@ -31,6 +31,7 @@ from lightning_shard import offload
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
@@ -247,13 +248,14 @@ class DeepSpeedEngine(Engine):
         model: nn.Module,
         optimizers: list[Optimizer],
         checkpoint: dict[str, Any],
-        path: Path,
+        path: Location,
         exception: bool = False,
     ) -> None:
         """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename).
 
         DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes
         nothing."""
+        path = ckpt.local_path(str(path), "save_checkpoint(filepath)")  # DeepSpeed writes local files only
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
         checkpoint.pop("optimizer_states", None)
 
@@ -263,8 +265,9 @@ class DeepSpeedEngine(Engine):
         ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
 
     def load_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+        self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        path = ckpt.local_path(str(path), "ckpt_path")  # DeepSpeed reads local files only
         ckpt.check_deepspeed_checkpoint(path)
         if weights_only is not False:
             # DeepSpeed unpickles its files with weights_only=False: their globals are checked first.

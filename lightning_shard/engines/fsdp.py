@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
+from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
 from lightning_shard.parallel import apply_tensor_parallel
@@ -266,7 +266,7 @@ class FSDPEngine(Engine):
         model: nn.Module,
         optimizers: list[Optimizer],
         checkpoint: dict[str, Any],
-        path: Path,
+        path: Location,
         exception: bool = False,
     ) -> None:
         if self.config.checkpoint == "full":
@@ -283,15 +283,19 @@ class FSDPEngine(Engine):
             ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
 
     def load_checkpoint(
-        self, model: nn.Module, optimizers: list[Optimizer], path: Path, weights_only: bool | None = None
+        self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if self.async_checkpointer is not None:
             self.async_checkpointer.wait()
+        if not isinstance(path, Remote) and ckpt.is_deepspeed_checkpoint(path):
+            from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
+
+            return load_into_fsdp(self, model, optimizers, path, weights_only)
         if path.is_dir():
             return ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
         return ckpt.load_full_into(self, model, optimizers, path, weights_only)
 
-    def remove_checkpoint(self, path: Path) -> None:
+    def remove_checkpoint(self, path: Location) -> None:
         if self.async_checkpointer is not None:
             self.async_checkpointer.remove(path)  # deferred while a save is pending
         else:
