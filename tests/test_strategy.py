@@ -206,7 +206,11 @@ def test_a_checkpoint_url_is_resolved_or_refused_never_turned_into_a_local_path(
     remote = resolve("s3://bucket/run/last.ckpt", "ckpt_path")
     assert isinstance(remote, Remote) and remote.key == "bucket/run/last.ckpt"
     assert remote.with_name("epoch=0-step=2.ckpt").url == "s3://bucket/run/epoch=0-step=2.ckpt"
-    with pytest.raises(ValueError, match=r"ckpt_path='ftp://host/run/last.ckpt': ShardStrategy cannot write .* ftp://"):
+    with pytest.raises(
+        ValueError, match=r"ckpt_path='ftp://host/run/last.ckpt': ShardStrategy cannot write .* ftp://"
+    ):
         resolve("ftp://host/run/last.ckpt", "ckpt_path")
-    with pytest.raises(ValueError, match=r"dirpath='s3://bucket/run': this writer needs a local .*engine='fsdp'"):
+    with pytest.raises(
+        ValueError, match=r"dirpath='s3://bucket/run': this writer needs a local .*engine='fsdp'"
+    ):
         local_path("s3://bucket/run", "dirpath")
