@@ -281,3 +281,39 @@ def record_weights_only() -> bool:
     setattr(_run, WEIGHTS_ONLY_ATTR, True)
     Trainer._run = _run  # type: ignore[method-assign]
     return True
+
+
+# --- Lightning's ckpt_path="last" (private: _CheckpointConnector._parse_ckpt_path) --------------------------
+
+
+_LAST_ATTR = "_lightning_shard_last"
+
+
+def resolve_last_checkpoint(resolver: Callable[[Any], str | None]) -> bool:
+    """Let ``resolver(trainer)`` answer ``ckpt_path="last"`` first; ``None`` leaves it to Lightning.
+
+    Lightning 2.6 lists a ``ModelCheckpoint`` directory on an object store without the URL scheme
+    (``bucket/run/last.ckpt``), then looks that up on the local disk, finds nothing and starts from scratch
+    with a warning: resuming from ``"last"`` never happens there, under any strategy. Returns whether the
+    wrapper is in place."""
+    import functools
+
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    parse = getattr(_CheckpointConnector, "_parse_ckpt_path", None)
+    if parse is None:
+        return False
+    if getattr(parse, _LAST_ATTR, False):
+        return True
+
+    @functools.wraps(parse)
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ckpt_path == "last":
+            found = resolver(self.trainer)
+            if found is not None:
+                return found
+        return parse(self, state_fn, ckpt_path, *args, **kwargs)
+
+    setattr(_parse_ckpt_path, _LAST_ATTR, True)
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
+    return True

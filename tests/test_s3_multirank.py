@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import AsyncCheckpointer, load_model_weights
-from lightning_shard.checkpoint.storage import ALIAS_HEADER
+from lightning_shard.checkpoint.storage import ALIAS_HEADER, Remote, newest_last
 from lightning_shard.demos import GPTModule
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.demos.s3 import local_s3_server
@@ -44,7 +44,14 @@ class SGDGPT(GPTModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _fit(world: int, max_steps: int, dirpath: str | None = None, resume: str | None = None, kill_at: int = 0):
+def _fit(
+    world: int,
+    max_steps: int,
+    dirpath: str | None = None,
+    resume: str | None = None,
+    kill_at: int = 0,
+    sync: bool = False,
+):
     if kill_at:
         _crash_before_commit(kill_at)
     recorder = LossRecorder()
@@ -55,7 +62,7 @@ def _fit(world: int, max_steps: int, dirpath: str | None = None, resume: str | N
         )
     trainer = L.Trainer(
         devices=world,
-        strategy=ShardStrategy(stage=3, async_checkpoint=True),
+        strategy=ShardStrategy(stage=3, async_checkpoint=not sync),
         callbacks=callbacks,
         **trainer_kwargs(max_steps=max_steps, enable_checkpointing=dirpath is not None),
     )
@@ -113,5 +120,26 @@ def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_to_resume(s3: Any)
         Exception, match=r"CheckpointLoadError.*epoch=1-step=4.ckpt.*not a complete sharded checkpoint"
     ):
         run_ranks(_fit, 1, 6, None, "s3://ckpt/kill/epoch=1-step=4.ckpt", world_size=1)
-    resumed, _ = run_ranks(_fit, 1, 6, None, "s3://ckpt/kill/last.ckpt", world_size=1)[0]
+    # ckpt_path="last" finds the alias (Lightning alone would list the bucket without its scheme and start
+    # from scratch). ModelCheckpoint sees the unfinished step-4 prefix and saves step 4 as "-v1", as it
+    # versions any name that exists.
+    resumed, _ = run_ranks(_fit, 1, 6, "s3://ckpt/kill", "last", world_size=1)[0]
     torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
+    assert s3.exists("ckpt/kill/epoch=1-step=4-v1.ckpt/meta.pt")
+    # What the next ckpt_path="last" takes is the step-6 checkpoint. (ModelCheckpoint may have named it
+    # last-v1.ckpt: the alias read back is the step-2 checkpoint's data, whose callback state predates
+    # last.ckpt, as with Lightning's save_last="link", and the callback versions a name it did not write.)
+    newest = newest_last(Remote("s3://ckpt/kill"))
+    assert newest is not None and s3.cat(newest.key) == ALIAS_HEADER + b"epoch=2-step=6.ckpt"
+
+
+def test_sync_saves_and_ckpt_path_last(s3: Any) -> None:
+    """Synchronous saves in one process: last.ckpt is a whole checkpoint, found by ckpt_path="last"."""
+    first, _ = _fit(1, 2, "s3://ckpt/sync", sync=True)
+    assert s3.exists("ckpt/sync/last.ckpt/meta.pt")
+    resumed, _ = _fit(1, 4, "s3://ckpt/sync", "last", sync=True)
+    reference, _ = _fit(1, 4, sync=True)
+    assert len(first) == 2 and len(resumed) == 2
+    torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls("ckpt/sync", refresh=True))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]

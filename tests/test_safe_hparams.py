@@ -146,3 +146,30 @@ def test_resume_refuses_a_hyper_parameter_class_that_is_not_plain(tmp_path: Path
         Rebuilds.rebuilt.clear()
         trainer.fit(_module(), loader(4), ckpt_path=str(tmp_path / "last.ckpt"))
     assert Rebuilds.rebuilt == []
+
+
+def _deepspeed_round_trip(root: str) -> tuple[bool, Any]:
+    directory = Path(root)
+    module = _module()
+    L.Trainer(
+        devices=1,
+        strategy=ShardStrategy(stage=2, engine="deepspeed"),
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)],
+        **trainer_kwargs(max_steps=1, enable_checkpointing=True),
+    ).fit(module, loader(4, n=8))
+    trainer = L.Trainer(
+        devices=1, strategy=ShardStrategy(stage=2, engine="deepspeed"), **trainer_kwargs(max_steps=2)
+    )
+    trainer.fit(_module(), loader(4, n=8), ckpt_path=str(directory / "last.ckpt"))  # weights_only=None
+    loaded = ConfiguredGPT.load_from_checkpoint(directory / "last.ckpt")
+    return trainer.global_step == 2, loaded.hparams.cfg
+
+
+@pytest.mark.deepspeed
+@pytest.mark.multirank
+def test_deepspeed_checkpoints_with_dataclass_hyper_parameters_resume_safely(tmp_path: Path) -> None:
+    """DeepSpeed unpickles its files itself: the scan before it allows the same harmless classes."""
+    from lightning_shard.demos.ranks import run_ranks
+
+    resumed, cfg = run_ranks(_deepspeed_round_trip, str(tmp_path), world_size=1)[0]
+    assert resumed and cfg == TrainConfig()

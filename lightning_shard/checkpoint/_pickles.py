@@ -110,9 +110,13 @@ def check_deepspeed_files(path: Path) -> None:
 
 
 def check_deepspeed_pickles(files: list[Path]) -> None:
-    """Raise ``pickle.UnpicklingError`` unless every file names only torch-safe and DeepSpeed's plain globals."""
+    """Raise ``pickle.UnpicklingError`` unless every file names only torch-safe and DeepSpeed's plain globals,
+    and the harmless hyper-parameter classes a ``torch.load`` of ours allows (:mod:`._torch_files`)."""
+    from lightning_shard.checkpoint._torch_files import allowed_names
+
     for file in files:
-        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file))) - DEEPSPEED_GLOBALS
+        named = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(file)))
+        unsafe = named - DEEPSPEED_GLOBALS - allowed_names(str(file))
         if unsafe:
             raise pickle.UnpicklingError(
                 f"{str(file)!r} names {', '.join(sorted(unsafe))}, which weights_only loading refuses. {_TRUST}"

@@ -110,6 +110,11 @@ def allowed_classes(f: str | os.PathLike | IO[bytes]) -> list[type]:
     return [cls for cls in found if cls is not None and _is_plain(cls)]
 
 
+def allowed_names(f: str | os.PathLike | IO[bytes]) -> set[str]:
+    """:func:`allowed_classes` and the classes always allowed, as the qualified names pickles use."""
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in (*_ALWAYS, *allowed_classes(f))}
+
+
 def _imported(qualified: str) -> type | None:
     module_name, _, name = qualified.rpartition(".")
     module = sys.modules.get(module_name)

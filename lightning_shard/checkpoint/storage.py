@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -164,6 +165,23 @@ def follow_alias(path: Location) -> Location:
     if not content.startswith(ALIAS_HEADER):
         return path
     return path.with_name(content[len(ALIAS_HEADER) :].decode())
+
+
+def newest_last(directory: Remote) -> Remote | None:
+    """The newest committed ``last*.ckpt`` under ``directory`` (what ``ckpt_path="last"`` means), aliases
+    followed and checkpoints without their marker skipped; ``None`` when there is none."""
+    found: list[tuple[float, Remote]] = []
+    for key in directory.fs.ls(directory.key, detail=False, refresh=True) if directory.is_dir() else []:
+        entry = directory / key.rstrip("/").rsplit("/", 1)[-1]
+        if not re.fullmatch(r"last(-v?\d+)?\.ckpt", entry.name):
+            continue
+        target = follow_alias(entry)
+        if not isinstance(target, Remote):
+            continue
+        stamp = target / "meta.pt" if target.is_dir() else target
+        if stamp.is_file():
+            found.append((stamp.fs.modified(stamp.key).timestamp(), entry))
+    return max(found, key=lambda item: item[0])[1] if found else None
 
 
 class RemoteMetadataReader(FsspecReader):
