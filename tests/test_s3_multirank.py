@@ -16,8 +16,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard import ShardStrategy
-from lightning_shard.checkpoint import AsyncCheckpointer, load_model_weights
+from lightning_shard.checkpoint import AsyncCheckpointer, export_hf, load_model_weights
 from lightning_shard.checkpoint.storage import ALIAS_HEADER, Remote, newest_last
+from lightning_shard.cli import main as cli_main
 from lightning_shard.demos import GPTModule
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.demos.s3 import local_s3_server
@@ -51,6 +52,7 @@ def _fit(
     resume: str | None = None,
     kill_at: int = 0,
     sync: bool = False,
+    checkpoint: str = "sharded",
 ):
     if kill_at:
         _crash_before_commit(kill_at)
@@ -62,7 +64,7 @@ def _fit(
         )
     trainer = L.Trainer(
         devices=world,
-        strategy=ShardStrategy(stage=3, async_checkpoint=not sync),
+        strategy=ShardStrategy(stage=3, async_checkpoint=not sync, checkpoint=checkpoint),
         callbacks=callbacks,
         **trainer_kwargs(max_steps=max_steps, enable_checkpointing=dirpath is not None),
     )
@@ -143,3 +145,35 @@ def test_sync_saves_and_ckpt_path_last(s3: Any) -> None:
     torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
     names = sorted(p.rsplit("/", 1)[1] for p in s3.ls("ckpt/sync", refresh=True))
     assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+
+
+def test_full_file_checkpoints_consolidate_and_export_through_s3(s3: Any, tmp_path: Path) -> None:
+    """One-file checkpoints (one object), ``consolidate`` onto the bucket, and ``export`` from it."""
+    first, _ = _fit(1, 2, "s3://ckpt/full", sync=True, checkpoint="full")
+    assert s3.isfile("ckpt/full/last.ckpt") and s3.isfile("ckpt/full/epoch=0-step=2.ckpt")
+    resumed, weights = _fit(1, 4, "s3://ckpt/full", "last", sync=True, checkpoint="full")
+    reference, _ = _fit(1, 4, sync=True)
+    torch.testing.assert_close(resumed, reference[2:], rtol=1e-5, atol=0)
+
+    assert (
+        cli_main(["consolidate", "s3://ckpt/full/last.ckpt", "s3://ckpt/full/model.pt", "--weights-only"])
+        == 0
+    )
+    with s3.open("ckpt/full/model.pt", "rb") as f:
+        consolidated = torch.load(f, weights_only=True)
+    assert consolidated.keys() == weights.keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in weights.items())
+    assert not Path("s3:").exists()
+
+    transformers = pytest.importorskip(
+        "transformers", reason="export needs pip install 'lightning-shard[hf]'"
+    )
+    from tests.test_export import gpt2_config, lightning_file, logits, sharded_dir
+
+    file, model = lightning_file(tmp_path, gpt2_config())
+    s3.put(str(sharded_dir(tmp_path, file)), "ckpt/hf/sharded.ckpt", recursive=True)
+    export_hf("s3://ckpt/hf/sharded.ckpt", tmp_path / "hf", max_shard_size="20KB")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(logits(loaded), logits(model))
+    with pytest.raises(ValueError, match=r"export\(out_dir\)='s3://ckpt/hf/out': this writer needs a local"):
+        export_hf("s3://ckpt/hf/sharded.ckpt", "s3://ckpt/hf/out")

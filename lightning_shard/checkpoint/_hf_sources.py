@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -30,8 +29,10 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
+    local_path,
     metadata_reader,
 )
+from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
 
 SourceKind = Literal["sharded", "file", "deepspeed"]
 
@@ -59,7 +60,9 @@ class Source:
     """One checkpoint, opened for reading; see the module docstring for what each kind reads."""
 
     def __init__(self, path: str | os.PathLike, weights_only: bool | None) -> None:
-        self.path, self.weights_only = Path(path), weights_only
+        # A local path or an object-store URL (sharded checkpoints and files; DeepSpeed's are local).
+        self.path: Location = follow_alias(resolve(path, "export(checkpoint)"))
+        self.weights_only = weights_only
         if not self.path.exists():
             raise FileNotFoundError(f"Checkpoint {str(self.path)!r} does not exist.")
         self._file: dict[str, Any] | None = None
@@ -72,6 +75,7 @@ class Source:
             self._file = loaded if isinstance(loaded, dict) else {}
         elif is_deepspeed_checkpoint(self.path):
             self.kind = "deepspeed"
+            self.path = local_path(str(self.path), "export(checkpoint)")
         elif is_sharded_checkpoint(self.path):
             self.kind = "sharded"
             self._reader = metadata_reader(self.path, weights_only)
@@ -124,7 +128,9 @@ class Source:
             return read_meta(self.path, self.weights_only).get("hyper_parameters")
         from lightning_shard.checkpoint.weights import deepspeed_model_states
 
-        return deepspeed_model_states(self.path, self.weights_only).get("hyper_parameters")
+        return deepspeed_model_states(
+            local_path(str(self.path), "export(checkpoint)"), self.weights_only
+        ).get("hyper_parameters")
 
     def _file_weights(self) -> dict[str, Any]:
         content = self._file or {}

@@ -80,6 +80,7 @@ def load(
     if isinstance(f, Remote):
         with f.open("rb") as stream:
             f = io.BytesIO(stream.read())
+        mmap = False  # the bytes are in memory already
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": weights_only}
     if mmap:
         kwargs["mmap"] = True

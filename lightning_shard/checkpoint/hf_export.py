@@ -38,6 +38,7 @@ from lightning_shard.checkpoint._hf_plan import (
     split_files,
 )
 from lightning_shard.checkpoint._hf_sources import Source
+from lightning_shard.checkpoint.layout import local_path
 from lightning_shard.units import parse_size
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -105,7 +106,7 @@ def export_hf(
     Memory: each worker holds one output file's tensors at a time (streaming), except for a DeepSpeed
     checkpoint, which DeepSpeed's ``zero_to_fp32`` rebuilds whole in one process (rank 0 writes every file).
     """
-    out = Path(out_dir)
+    out = local_path(out_dir, "export(out_dir)")
     size = parse_size(max_shard_size, "max_shard_size")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is unknown. Use one of {', '.join(DTYPES)} (CLI --dtype).")

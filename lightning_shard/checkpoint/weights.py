@@ -132,8 +132,8 @@ def consolidate(
     out: str | os.PathLike,
     format: ConsolidateFormat = "lightning",
     weights_only: bool | None = None,
-) -> Path:
-    """Write a checkpoint's full model weights as one ``torch.save`` file.
+) -> Location:
+    """Write a checkpoint's full model weights as one ``torch.save`` file (``out`` may be an object-store URL).
 
     ``format="lightning"``: a Lightning checkpoint holding the weights (what ``ModelCheckpoint(
     save_weights_only=True)`` writes): ``LightningModule.load_from_checkpoint``, ``trainer.test(ckpt_path=...)``
@@ -144,13 +144,13 @@ def consolidate(
 
     if format not in ("lightning", "state_dict"):
         raise ValueError(f"consolidate(format={format!r}) is unknown. Use 'lightning' or 'state_dict'.")
+    target = resolve(out, "consolidate(out)")  # a bad URL is refused before anything is read
     if format == "lightning":
         content: Mapping[str, Any] = load_lightning_checkpoint(path, weights_only=weights_only)
     else:
         content = load_model_weights(path, weights_only=weights_only)
-    out = Path(out)
-    save_file(dict(content), out)
-    return out
+    save_file(dict(content), target)
+    return target
 
 
 def load_full_state_dict(
