@@ -178,5 +178,6 @@ def sync_copies(module: nn.Module, world_mesh: Any) -> None:
             }
             local = param.to_local()
         for dim in world_mesh.mesh_dim_names:
-            if dim not in split and world_mesh[dim].size() > 1:
+            # Pipeline stages hold different parameters: nothing to make equal along "pp".
+            if dim not in split and dim != "pp" and world_mesh[dim].size() > 1:
                 dist.broadcast(local.data, group=world_mesh.get_group(dim), group_src=0)

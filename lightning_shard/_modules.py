@@ -65,8 +65,15 @@ def detect_block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     "Largest" counts parameters, so a GPT's list of transformer layers wins over, say, a list of
     two output heads. Returns ``()`` when the model has no such container.
     """
-    best: tuple[int, type[nn.Module] | None] = (0, None)
-    for container in model.modules():
+    found = largest_block_container(model)
+    return (type(next(iter(found[1]))),) if found is not None else ()
+
+
+def largest_block_container(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+    """The name and the module of the model's largest ``ModuleList`` / ``Sequential`` of identical modules
+    (by parameter count), or ``None``."""
+    best: tuple[int, str, nn.ModuleList | nn.Sequential | None] = (0, "", None)
+    for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
             continue
         classes = {type(child) for child in container}
@@ -74,8 +81,8 @@ def detect_block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
             continue
         numel = sum(p.numel() for p in container.parameters())
         if numel > best[0]:
-            best = (numel, next(iter(classes)))
-    return (best[1],) if best[1] is not None else ()
+            best = (numel, name, container)
+    return (best[1], best[2]) if best[2] is not None else None
 
 
 def find_blocks(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:

@@ -159,7 +159,7 @@ def guarded(method: F) -> F:
 
 class ProcessGroupStrategy(ParallelStrategy):
     """Starts one process per device (or joins torchrun / SLURM ones), the process group and the device mesh
-    (one data-parallel dimension, or ``(replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`)."""
+    (one data-parallel dimension, or ``([pp,] replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`)."""
 
     def __init__(
         self,
@@ -167,10 +167,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         timeout: timedelta | None,
         replicate_size: int = 1,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._mesh_sizes = (replicate_size, tensor_parallel_size)
+        self._mesh_sizes = (replicate_size, tensor_parallel_size, pipeline_parallel_size)
         self._requested_backend = backend
         self._process_group_backend: str | None = backend
         self._timeout = timeout
@@ -189,7 +190,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> MeshLayout:
-        """The world as ``replicate x shard x tp`` (checked against the world size when the Trainer is built)."""
+        """The world as ``pp x replicate x shard x tp`` (checked against the world size when the Trainer is built)."""
         return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
 
     @property
@@ -209,7 +210,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of one tensor-parallel group read the same batches.
+        # The ranks of one tensor-parallel group, and the stages of one pipeline, read the same batches.
         layout = self.layout
         return {
             "num_replicas": layout.data_parallel_size,

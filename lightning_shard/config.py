@@ -54,6 +54,14 @@ class ShardConfig:
     """Module-name pattern -> style; None: the plan the model carries."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the model is cut into (the outermost mesh dimension, ``pp``)."""
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 1
+    """Pieces each batch is cut into (default ``2 x pipeline_parallel_size``)."""
+    stages_per_rank: int = 1
+    pipeline_split_points: tuple[str, ...] | None = None
+    """The blocks that start stages 2, 3, ...; None: balanced by parameter count."""
 
     @classmethod
     def from_flags(
@@ -78,6 +86,11 @@ class ShardConfig:
         tensor_parallel_size: Any = 1,
         tensor_parallel_plan: Any = None,
         ddp_kwargs: dict[str, Any] | None = None,
+        pipeline_parallel_size: Any = 1,
+        pipeline_schedule: Any = "1f1b",
+        microbatches: Any = None,
+        stages_per_rank: Any = None,
+        pipeline_split_points: Any = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -118,6 +131,17 @@ class ShardConfig:
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
+        from lightning_shard.pipeline.schedules import check_pipeline_flags
+
+        microbatches, stages_per_rank, split_points = check_pipeline_flags(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            microbatches,
+            stages_per_rank,
+            pipeline_split_points,
+            engine_name,
+            stage,
+        )
         return cls(
             stage=stage,
             engine=engine_name,  # type: ignore[arg-type]
@@ -139,6 +163,11 @@ class ShardConfig:
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=plan,
             ddp_kwargs=dict(ddp_kwargs or {}),
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            stages_per_rank=stages_per_rank,
+            pipeline_split_points=split_points,
         )
 
     def replace(self, **changes: Any) -> ShardConfig:

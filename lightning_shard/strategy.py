@@ -13,6 +13,7 @@ import logging
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from lightning_shard._checkpoint_hooks import CheckpointHooks
 from lightning_shard._lightning_compat_callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard._modules import ModuleClassSpec
+from lightning_shard._pipeline_steps import PipelineSteps
 from lightning_shard._preemption import Preemption
 from lightning_shard._processes import CollectiveTimeoutError
 from lightning_shard.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
@@ -35,6 +37,7 @@ from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_cl
 from lightning_shard.nonfinite import NonFiniteGuard
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor_parallel_mesh
+from lightning_shard.pipeline import PipelineScheduleName
 from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
 
@@ -62,7 +65,7 @@ def _last_on_object_stores(trainer: Any) -> str | None:
 _compat.resolve_last_checkpoint(_last_on_object_stores)
 
 
-class ShardStrategy(CheckpointHooks):
+class ShardStrategy(PipelineSteps, CheckpointHooks):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
     What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md
@@ -104,6 +107,13 @@ class ShardStrategy(CheckpointHooks):
         tensor_parallel_plan: module-name pattern (``"blocks.*.attn.qkv"``) -> ``"colwise"``, ``"rowwise"``,
             ``"sequence"`` or a torch ``ParallelStyle``; ``None`` uses the plan the model carries (a
             ``tensor_parallel_plan`` attribute, or a Hugging Face ``config.base_model_tp_plan``).
+        pipeline_parallel_size: cut the model into this many pipeline stages (the outermost mesh dimension:
+            ``pp x replicate x shard x tp``); the LightningModule contract is in docs/pipeline.md.
+        pipeline_schedule: ``"1f1b"`` or ``"gpipe"`` (torch's schedules; the interleaved ones come later).
+        microbatches: pieces each batch is cut into along its first dimension (default 2 x stages).
+        stages_per_rank: stages on each rank (interleaved schedules only; default 1).
+        pipeline_split_points: the blocks that start stages 2, 3, ... (``["model.blocks.2"]``); default:
+            balanced by parameter count.
         **kwargs: Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, any other
             ``DistributedDataParallel`` argument, ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``).
@@ -136,6 +146,11 @@ class ShardStrategy(CheckpointHooks):
         replicate_size: int = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineScheduleName = "1f1b",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        pipeline_split_points: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
@@ -160,6 +175,11 @@ class ShardStrategy(CheckpointHooks):
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=tensor_parallel_plan,
             ddp_kwargs=ddp_kwargs,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            stages_per_rank=stages_per_rank,
+            pipeline_split_points=pipeline_split_points,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
@@ -168,6 +188,7 @@ class ShardStrategy(CheckpointHooks):
             self.config.timeout,
             self.config.replicate_size,
             self.config.tensor_parallel_size,
+            self.config.pipeline_parallel_size,
             **kwargs,
         )
         self._guard = NonFiniteGuard(max_skipped) if skip_nonfinite else None
@@ -272,14 +293,15 @@ class ShardStrategy(CheckpointHooks):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
+        self._cut_to_stage()  # pipeline stages: this rank keeps its own before anything wraps it
         if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
             # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
             self._checkpointed_module = self._lm
         self.precision_plugin.setup_device(self.root_device, None)  # the loss scaler agrees over every rank
         if self.layout.multi_dimensional:
-            # Parameters on two meshes ((dp, tp) and dp): one norm over all of them, one all-reduce.
-            self.precision_plugin.clip_grad_norm = clip_grad_norm_
+            # Parameters on two meshes ((dp, tp) and dp), or on pipeline stages: one norm over all of them.
+            self.precision_plugin.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=self.layout.pp)
         if self._engine is None or not self._engine_live:
             run = RunContext(
                 device=self.root_device,
@@ -294,6 +316,7 @@ class ShardStrategy(CheckpointHooks):
             self._engine = self._engine_class(self.config, self.precision_plugin, run)
             self._engine_live = True
         self.model = self._engine.setup_module(self.model)
+        self._build_stage_runner()
         if self.config.init_weights is not None and self._weights_loaded_into is not self._lm:
             # Once per module: later Trainer calls (and checkpoint resumes) keep the trained weights.
             self._engine.load_full_weights(self._lm, self.config.init_weights)

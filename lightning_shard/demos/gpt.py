@@ -128,6 +128,7 @@ class GPT(nn.Module):
         n_layers: int = 4,
         n_heads: int = 4,
         dropout: float = 0.0,
+        tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -135,7 +136,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied input / output embedding
+        if tie_embeddings:  # pipeline stages cannot share a parameter: untie it to cut the model
+            self.head.weight = self.tok_emb.weight
         self.n_layers = n_layers
         self.init_weights()
 
@@ -156,11 +158,16 @@ class GPT(nn.Module):
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        b, t = idx.shape
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (b, t, d)
+        # A pipeline stage holds only its own modules (the others are None, docs/pipeline.md): stages
+        # after the first receive the previous stage's hidden states, stages before the last return theirs.
+        x = idx
+        if self.tok_emb is not None:
+            pos = torch.arange(idx.size(1), device=idx.device)
+            x = self.tok_emb(idx) + self.pos_emb(pos)  # (b, t, d)
         for block in self.blocks:
             x = block(x)
+        if self.head is None:
+            return x
         return self.head(self.ln_f(x))  # (b, t, vocab)
 
 
@@ -178,10 +185,11 @@ class GPTModule(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         max_steps: int = 1000,
+        tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout)
+        self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout, tie_embeddings)
 
     def init_weights(self) -> None:
         """ShardStrategy runs this after allocating a model built on the meta device
@@ -195,10 +203,13 @@ class GPTModule(L.LightningModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss = self.pipeline_loss(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy; with pipeline stages, the last stage's loss per microbatch."""
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     @override
     def configure_optimizers(self):

@@ -92,7 +92,7 @@ class FSDPEngine(Engine):
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
-        elif self.run.tp_mesh is not None:
+        elif self._replicates:
             self._materialize(module)
             module.to(self.run.device)
             wrapped = self._replicate(module)
@@ -227,7 +227,13 @@ class FSDPEngine(Engine):
     @property
     def _gathers_across_step(self) -> bool:
         """FSDP2 wraps the model (stages 2-3, or stage 0 with tensor parallelism through replicate())."""
-        return self.stage >= 2 or self.run.tp_mesh is not None
+        return self.stage >= 2 or self._replicates
+
+    @property
+    def _replicates(self) -> bool:
+        """Stage 0 runs on FSDP2's replicate() rather than DDP: with tensor parallelism (DTensor parameters)
+        and with pipeline stages (DDP's reducer cannot follow a schedule's backward per microbatch)."""
+        return self.run.tp_mesh is not None or self.config.pipeline_parallel_size > 1
 
     def post_backward(self, model: nn.Module, manual: bool) -> None:
         if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):
@@ -249,7 +255,7 @@ class FSDPEngine(Engine):
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
-        if self.stage < 2 and self.run.tp_mesh is None:
+        if self.stage < 2 and not self._replicates:
             with model.no_sync():  # type: ignore[operator]
                 yield
             return

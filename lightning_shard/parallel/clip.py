@@ -4,6 +4,8 @@ With tensor parallelism, the split layers' parameters are DTensors on ``(data-pa
 rest are on the data-parallel mesh alone, and torch's ``clip_grad_norm_`` cannot stack norms from two
 meshes. Every element of a gradient is held by ``world / shards`` ranks (its copies), so the squared
 norm is one sum over all ranks of each rank's local squares divided by that count: one all-reduce.
+With ``P`` pipeline stages a parameter lives only on its stage's ``world / P`` ranks, so its copies are
+``world / (P x shards)``; the same all-reduce then sums every stage's parameters once (the global norm).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def _shards(tensor: Tensor) -> int:
     return count
 
 
-def grad_norm(parameters: Iterable[Tensor]) -> Tensor:
-    """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters)."""
+def grad_norm(parameters: Iterable[Tensor], pipeline_stages: int = 1) -> Tensor:
+    """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters; with
+    ``pipeline_stages`` > 1, all of its stage's)."""
     from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -39,7 +42,7 @@ def grad_norm(parameters: Iterable[Tensor]) -> Tensor:
         if g is None:
             continue
         local = g.to_local() if isinstance(g, DTensor) else g
-        squares = local.detach().double().pow(2).sum() * (_shards(g) / world)
+        squares = local.detach().double().pow(2).sum() * (_shards(g) * pipeline_stages / world)
         total = squares if total is None else total + squares.to(total.device)
     if total is None:  # no gradient here: still join the all-reduce, on the device the backend uses
         nccl = world > 1 and dist.get_backend() == "nccl"
@@ -49,12 +52,12 @@ def grad_norm(parameters: Iterable[Tensor]) -> Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pipeline_stages: int = 1) -> Tensor:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; returns the norm before."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params)
+    norm = grad_norm(params, pipeline_stages)
     # A 0-dim float32 factor: multiplies gradients of any dtype in place, on any device, without a sync.
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
     for p in params:

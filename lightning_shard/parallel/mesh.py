@@ -1,9 +1,11 @@
-"""The device mesh: ``(replicate, shard, tp)`` for HSDP and tensor parallelism, or one data-parallel dim.
+"""The device mesh: ``(pp, replicate, shard, tp)`` for pipeline stages, HSDP and tensor parallelism, or one
+data-parallel dim.
 
-A world of ``W`` ranks is laid out as ``W = replicate x shard x tp`` in row-major order, so the
-tensor-parallel groups are consecutive ranks (one node's fast links), the shard groups come next and
-the replicate groups span the rest (across nodes). With ``replicate_size == tensor_parallel_size == 1``
-the mesh stays one dimension named ``"dp"``.
+A world of ``W`` ranks is laid out as ``W = pp x replicate x shard x tp`` in row-major order, so the
+tensor-parallel groups are consecutive ranks (one node's fast links), the shard groups come next, the
+replicate groups span the rest (across nodes) and each pipeline stage is one such block of ranks (stages
+talk point to point, the lightest traffic, so they may sit across the slowest links). With every size but
+the shard one at 1 the mesh stays one dimension named ``"dp"``; without pipeline stages it has no ``pp``.
 """
 
 from __future__ import annotations
@@ -13,27 +15,36 @@ from dataclasses import dataclass
 from typing import Any
 
 DIMS = ("replicate", "shard", "tp")
+PIPELINE_DIMS = ("pp", *DIMS)
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """How a world of ranks splits: ``replicate x shard x tp``."""
+    """How a world of ranks splits: ``pp x replicate x shard x tp``."""
 
     replicate: int
     shard: int
     tp: int
+    pp: int = 1
 
     @classmethod
-    def for_world(cls, world_size: int, replicate_size: int = 1, tensor_parallel_size: int = 1) -> MeshLayout:
+    def for_world(
+        cls,
+        world_size: int,
+        replicate_size: int = 1,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> MeshLayout:
         """The layout of ``world_size`` ranks, or a ``ValueError`` naming the flag that does not divide it."""
-        check_world(world_size, replicate_size, tensor_parallel_size)
-        return cls(
-            replicate_size, world_size // (replicate_size * tensor_parallel_size), tensor_parallel_size
-        )
+        check_pipeline_world(world_size, pipeline_parallel_size)
+        stage_world = world_size // pipeline_parallel_size
+        check_world(stage_world, replicate_size, tensor_parallel_size)
+        shard = stage_world // (replicate_size * tensor_parallel_size)
+        return cls(replicate_size, shard, tensor_parallel_size, pipeline_parallel_size)
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.tp
 
     @property
     def data_parallel_size(self) -> int:
@@ -42,23 +53,28 @@ class MeshLayout:
 
     @property
     def multi_dimensional(self) -> bool:
-        return self.replicate > 1 or self.tp > 1
+        return self.replicate > 1 or self.tp > 1 or self.pp > 1
 
     def data_parallel_rank(self, global_rank: int) -> int:
-        """Which batch slice ``global_rank`` reads: the ranks of one tensor-parallel group read the same."""
-        return global_rank // self.tp
+        """Which batch slice ``global_rank`` reads: the ranks of one tensor-parallel group, and the stages of
+        one pipeline, read the same."""
+        return (global_rank // self.tp) % self.data_parallel_size
 
     def build(self, device_type: str) -> Any:
         """The ``DeviceMesh`` over every rank (a collective: every rank calls it)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.pp > 1:
+            sizes = (self.pp, self.replicate, self.shard, self.tp)
+            return init_device_mesh(device_type, sizes, mesh_dim_names=PIPELINE_DIMS)
         if not self.multi_dimensional:
             return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
         return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMS)
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
-    """The mesh FSDP2 / DDP run on: ``dp``, ``shard``, or ``(replicate, shard)`` (HSDP)."""
+    """The mesh FSDP2 / DDP run on (within one pipeline stage): ``dp``, ``shard``, or ``(replicate, shard)``
+    (HSDP)."""
     names = mesh.mesh_dim_names or ()
     if "tp" not in names:
         return mesh
@@ -73,6 +89,21 @@ def tensor_parallel_mesh(mesh: Any) -> Any | None:
     if "tp" not in names or mesh["tp"].size() == 1:
         return None
     return mesh["tp"]
+
+
+def pipeline_mesh(mesh: Any) -> Any | None:
+    """The pipeline sub-mesh (one rank per stage, the stages' point-to-point group), or ``None``."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["pp"] if "pp" in names else None
+
+
+def check_pipeline_world(world_size: int, pipeline_parallel_size: int) -> None:
+    if world_size % pipeline_parallel_size:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={pipeline_parallel_size}) does not divide the world size"
+            f" {world_size}. Use a pipeline_parallel_size that divides {world_size} (each stage gets"
+            f" world size / pipeline_parallel_size ranks)."
+        )
 
 
 def check_world(
@@ -102,4 +133,13 @@ def check_world(
         )
 
 
-__all__ = ["DIMS", "MeshLayout", "check_world", "data_parallel_mesh", "tensor_parallel_mesh"]
+__all__ = [
+    "DIMS",
+    "PIPELINE_DIMS",
+    "MeshLayout",
+    "check_pipeline_world",
+    "check_world",
+    "data_parallel_mesh",
+    "pipeline_mesh",
+    "tensor_parallel_mesh",
+]

@@ -1,0 +1,213 @@
+"""How ShardStrategy runs a step with pipeline stages (``pipeline_parallel_size > 1``).
+
+Set-up cuts the LightningModule to this rank's stage before the engine shards it (so FSDP2, tensor
+parallelism and the optimizers see only the stage's parameters), then builds the stage runner on the
+sharded module. Each training step runs the schedule in place of ``training_step``: it does forward and
+backward for every microbatch, so Lightning's backward is a no-op for that step, while the optimizer
+step, gradient clipping (one norm over every stage: :func:`lightning_shard.parallel.clip_grad_norm_`)
+and ``zero_grad`` go through Lightning as usual. The contract a LightningModule meets is in
+docs/pipeline.md and :func:`check_contract`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_shard._modules import detect_block_classes
+from lightning_shard._processes import guarded
+from lightning_shard._steps import EngineSteps
+from lightning_shard.config import ShardConfig
+from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages
+from lightning_shard.pipeline.split import StagePlan
+
+log = logging.getLogger(__name__)
+#: Set on a LightningModule once it is cut to its stage (a later Trainer call finds it cut).
+_STAGE = "_lightning_shard_pipeline_stage"
+
+
+def check_contract(module: L.LightningModule, stages: int) -> None:
+    """What a LightningModule defines to run in pipeline stages, or a ``ValueError`` naming what to add."""
+    name = type(module).__name__
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={stages}) needs {name}.pipeline_loss(output, target) -> Tensor:"
+            " the loss of one microbatch from the last stage's output (a mean over its samples, as"
+            " training_step would compute it). Add the method (see docs/pipeline.md), or use"
+            " pipeline_parallel_size=1."
+        )
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={stages}) runs forward and backward through the pipeline"
+            f" schedule, which manual optimization ({name}.automatic_optimization = False) would bypass. Use"
+            " automatic optimization, or pipeline_parallel_size=1."
+        )
+
+
+def split_batch(module: L.LightningModule, batch: Any) -> tuple[tuple[Any, ...], Any]:
+    """``(inputs, target)`` of a batch: the module's ``pipeline_batch(batch)``, or the batch itself as a pair.
+    ``inputs`` (a tensor or a tuple of them) are the first stage's positional arguments."""
+    custom = getattr(module, "pipeline_batch", None)
+    pair = custom(batch) if callable(custom) else batch
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size>1) takes each batch as (inputs, target), but"
+            f" {type(module).__name__} got a {type(pair).__name__}. Define"
+            f" {type(module).__name__}.pipeline_batch(batch) -> (inputs, target) (see docs/pipeline.md)."
+        )
+    inputs, target = pair
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+class PipelineSteps(EngineSteps):
+    """Lightning's step hooks, run through a pipeline schedule when ``pipeline_parallel_size > 1``."""
+
+    config: ShardConfig
+    _pipeline: StageRunner | None = None
+    #: The gradients of the schedule's last step, held until Lightning's backward (see ``_train_schedule``).
+    _pending: list[tuple[Tensor, Tensor | None]] | None = None
+
+    @property
+    def pipeline_stage(self) -> int | None:
+        """This rank's pipeline stage (``None`` without pipeline stages)."""
+        mesh = self.device_mesh
+        return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
+
+    def _cut_to_stage(self) -> None:
+        """Before the engine shards the module: keep only this rank's stage of it (once per module)."""
+        stages, stage = self.config.pipeline_parallel_size, self.pipeline_stage
+        if stage is None:
+            return
+        module = self._lm
+        check_contract(module, stages)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"ShardStrategy(pipeline_parallel_size={stages}) cannot scale the loss for Trainer(precision="
+                "'16-mixed'): the schedule's per-microbatch backward would skip the loss scaler. Use"
+                " precision='bf16-mixed', or pipeline_parallel_size=1."
+            )
+        if self.config.shard_modules is None:
+            # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
+            self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
+        if getattr(module, _STAGE, None) is not None:
+            return
+        plan: StagePlan = plan_stages(module, stages, self.config.pipeline_split_points)
+        keep_stage(module, plan, stage)
+        setattr(module, _STAGE, stage)
+        log.info(
+            "ShardStrategy: pipeline stage %d of %d holds %s", stage, stages, list(plan.blocks_of(stage))
+        )
+
+    def _build_stage_runner(self) -> None:
+        """After the engine has wrapped the module: the stage and the schedule that run it."""
+        stage = self.pipeline_stage
+        if stage is None:
+            self._pipeline = None
+            return
+        assert self.model is not None
+        self._pipeline = StageRunner(
+            self.model,
+            stage,
+            self.config.pipeline_parallel_size,
+            self.root_device,
+            self.device_mesh["pp"].get_group(),
+            self.config.pipeline_schedule,
+            self.config.microbatches,
+            self._lm.pipeline_loss,  # type: ignore[arg-type]  # checked at set-up (check_contract)
+        )
+
+    @override
+    @guarded
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        self._preemption.agree(self.root_device)
+        module = self._lm
+        inputs, target = split_batch(module, args[0])
+        # Lightning divides the returned loss by accumulate_grad_batches before its backward; the schedule
+        # runs that backward itself, so it applies the same factor.
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            loss = self._train_schedule(inputs, target, scale)
+        module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _train_schedule(self, inputs: tuple[Any, ...], target: Any, scale: float) -> Tensor:
+        """Run the schedule with the gradients it makes kept apart until :meth:`backward`.
+
+        Lightning zeroes gradients between ``training_step`` and backward (at the first batch of each
+        accumulation window); the schedule runs its backward inside ``training_step``, so its gradients
+        wait aside and are added at backward, the order Lightning's loop expects.
+        """
+        assert self._pipeline is not None and self.model is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss = self._pipeline.train_step(inputs, target, scale)
+            self._pending = [(p, p.grad) for p in params]
+        finally:
+            for p, grad in zip(params, held, strict=True):
+                p.grad = grad
+        return loss
+
+    def _add_pending_gradients(self) -> None:
+        pending, self._pending = self._pending or [], None
+        for p, grad in pending:
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+    @override
+    @guarded
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran every microbatch's backward inside training_step; the hooks still run around it.
+        trainer = self._lm.trainer
+        from lightning.pytorch.trainer import call
+
+        call._call_callback_hooks(trainer, "on_before_backward", closure_loss)
+        call._call_lightning_module_hook(trainer, "on_before_backward", closure_loss)
+        self._add_pending_gradients()
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        return closure_loss
+
+    @override
+    @guarded
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._eval_step("val_loss", args[0])
+
+    @override
+    @guarded
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._eval_step("test_loss", args[0])
+
+    @override
+    @guarded
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) does not run predict"
+            " yet: only the last stage holds the outputs. Predict with pipeline_parallel_size=1."
+        )
+
+    def _eval_step(self, name: str, batch: Any) -> Tensor:
+        assert self._pipeline is not None
+        module = self._lm
+        inputs, target = split_batch(module, batch)
+        with self.precision_plugin.val_step_context():
+            loss = self._pipeline.eval_step(inputs, target)
+        # Every stage of a pipeline holds the same value: the mean over all ranks is the data-parallel mean.
+        module.log(name, loss, sync_dist=True)
+        return loss

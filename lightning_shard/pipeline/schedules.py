@@ -1,0 +1,123 @@
+"""Pipeline schedules by name, and the checks on the pipeline flags that need no process.
+
+``ShardStrategy(pipeline_schedule=...)`` names one of torch's own schedules
+(:mod:`torch.distributed.pipelining.schedules`). With ``p`` stages and ``m`` microbatches, GPipe and 1F1B
+leave every rank idle for a fraction ``(p - 1) / (m + p - 1)`` of a step (the bubble: the first stage waits
+for ``p - 1`` microbatch times at the end, the last at the start); 1F1B holds at most ``p`` microbatches'
+activations where GPipe holds all ``m``. The interleaved schedules put ``v`` stages on each rank and cut
+the bubble to ``(p - 1) / (v m + p - 1)``; they need the model cut into ``p x v`` stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+PipelineScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+#: Microbatches per stage when ``microbatches`` is not given: ``m = 2p`` keeps the GPipe / 1F1B bubble
+#: ``(p - 1) / (m + p - 1)`` under a third while each microbatch stays large enough to keep a device busy.
+MICROBATCHES_PER_STAGE = 2
+
+
+def schedule_class(name: str) -> type[Any]:
+    """The torch schedule class for ``name``."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes: dict[str, type[Any]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    return classes[name]
+
+
+def check_pipeline_flags(
+    size: Any,
+    schedule: Any,
+    microbatches: Any,
+    stages_per_rank: Any,
+    split_points: Any,
+    engine: str,
+    stage: Any = 3,
+) -> tuple[int, int, tuple[str, ...] | None]:
+    """Check the pipeline flags against each other; returns ``(microbatches, stages_per_rank, split_points)``
+    with the defaults filled in. Whether ``pipeline_parallel_size`` divides the world is checked once the
+    Trainer knows it."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={size!r}) must be an integer >= 1 (1: off): the number of"
+            " pipeline stages the model is cut into."
+        )
+    if schedule not in SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES:
+        raise ValueError(
+            f"ShardStrategy(pipeline_schedule={schedule!r}) is unknown. Use '1f1b' (the default), 'gpipe',"
+            " 'interleaved_1f1b' or 'zero_bubble'."
+        )
+    if schedule in MULTI_STAGE_SCHEDULES:
+        raise ValueError(
+            f"ShardStrategy(pipeline_schedule={schedule!r}) is not available yet: it needs several stages on"
+            " each rank (stages_per_rank > 1), which the stage runner does not build yet. Use '1f1b' or"
+            " 'gpipe'."
+        )
+    if stages_per_rank is None:
+        stages_per_rank = 1
+    if stages_per_rank != 1:
+        raise ValueError(
+            f"ShardStrategy(stages_per_rank={stages_per_rank!r}) needs an interleaved schedule, which is not"
+            f" available yet; pipeline_schedule={schedule!r} runs one stage per rank. Drop stages_per_rank."
+        )
+    if size == 1 and (microbatches is not None or split_points is not None):
+        flag = f"microbatches={microbatches}" if split_points is None else "pipeline_split_points=..."
+        raise ValueError(
+            f"ShardStrategy({flag}) is only used with pipeline_parallel_size > 1 (got 1). Set"
+            " pipeline_parallel_size, or drop the flag."
+        )
+    if microbatches is None:
+        microbatches = MICROBATCHES_PER_STAGE * size if size > 1 else 1
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"ShardStrategy(microbatches={microbatches!r}) must be an integer >= 1: the number of pieces each"
+            " batch is cut into along its first dimension (default 2 x pipeline_parallel_size)."
+        )
+    if size > 1 and microbatches < size:
+        raise ValueError(
+            f"ShardStrategy(microbatches={microbatches}, pipeline_parallel_size={size}): fewer microbatches than"
+            f" stages leaves stages idle for the whole step. Use microbatches >= {size} (e.g. {2 * size})."
+        )
+    if size > 1 and engine == "deepspeed":
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
+            " engine= or by NVMe / optimizer-only CPU offload): DeepSpeed's PipelineModule needs the model"
+            " rewritten as a list of layers. Use engine='fsdp' (torch's pipeline schedules with FSDP2 in each"
+            " stage), or pipeline_parallel_size=1."
+        )
+    if size > 1 and stage == 1:
+        raise ValueError(
+            f"ShardStrategy(stage=1, pipeline_parallel_size={size}) cannot run: the schedule's backward per"
+            " microbatch needs FSDP2's data parallelism in each stage, and ZeroRedundancyOptimizer does not take"
+            " its (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded, the same all-reduce"
+            " volume as stage 1), stage=3 or stage=0."
+        )
+    return microbatches, stages_per_rank, _check_split_points(split_points, size)
+
+
+def _check_split_points(points: Any, size: int) -> tuple[str, ...] | None:
+    if points is None:
+        return None
+    if isinstance(points, str) or not all(isinstance(p, str) for p in points):
+        raise ValueError(
+            f"ShardStrategy(pipeline_split_points={points!r}) must be a list of module names, each the block"
+            " that starts a stage, e.g. ['model.blocks.2']."
+        )
+    points = tuple(points)
+    if len(points) != size - 1:
+        raise ValueError(
+            f"ShardStrategy(pipeline_split_points={list(points)!r}) names {len(points)} split points;"
+            f" pipeline_parallel_size={size} needs {size - 1} (the first block of every stage but the first)."
+        )
+    return points
+
+
+__all__ = [
+    "MICROBATCHES_PER_STAGE",
+    "PipelineScheduleName",
+    "check_pipeline_flags",
+    "schedule_class",
+]

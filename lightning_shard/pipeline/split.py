@@ -1,0 +1,183 @@
+"""Cutting a model into pipeline stages: which blocks each stage holds, and pruning a rank to its stage.
+
+A model splits automatically when it holds a repeated block list (a GPT's ``blocks``, found as for
+sharding: :func:`lightning_shard._modules.largest_block_container`). The blocks are cut into contiguous
+runs; the modules registered before the block list (along the path to it: embeddings) run on the first
+stage, those registered after it (final norm, head) on the last. Modules without parameters (rotary
+tables, dropout) stay on every stage. Each rank then keeps only its stage: the other blocks are dropped
+from the list (the kept ones keep their names, ``model.blocks.2.attn...``, so state dicts stay keyed as in
+the whole model) and the other stages' modules become ``None``, which the model's forward skips (the
+contract in docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_shard._modules import largest_block_container
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where a model is cut: stage ``s`` holds blocks ``starts[s]`` up to ``starts[s + 1]`` of ``container``."""
+
+    container: str
+    """The block list's module name (``"model.blocks"``)."""
+    starts: tuple[int, ...]
+    num_blocks: int
+    before: tuple[str, ...]
+    """Modules with parameters that run before the blocks: on the first stage only."""
+    after: tuple[str, ...]
+    """Modules with parameters that run after the blocks: on the last stage only."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.starts)
+
+    def blocks_of(self, stage: int) -> range:
+        end = self.starts[stage + 1] if stage + 1 < self.num_stages else self.num_blocks
+        return range(self.starts[stage], end)
+
+    def split_points(self) -> list[str]:
+        return [f"{self.container}.{start}" for start in self.starts[1:]]
+
+
+def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...] | None = None) -> StagePlan:
+    """Cut ``model`` into ``num_stages`` stages: at ``split_points`` (the blocks that start stages 2, 3, ...),
+    or balanced by parameter count (first stage + embeddings, last stage + head)."""
+    found = largest_block_container(model)
+    if found is None:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={num_stages}) cannot split {type(model).__name__}: it holds no"
+            " list of identical blocks (an nn.ModuleList or nn.Sequential, e.g. a GPT's transformer layers)."
+            " Hold the repeated layers in one nn.ModuleList (see docs/pipeline.md)."
+        )
+    name, container = found
+    blocks = len(container)
+    if blocks < num_stages:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size={num_stages}) needs at least one block per stage, but"
+            f" {name} holds {blocks}. Use pipeline_parallel_size <= {blocks}."
+        )
+    before, after = _around(model, name)
+    if split_points is not None:
+        starts = _starts_from_points(name, blocks, split_points)
+    else:
+        costs = [_numel(block) for block in container]
+        head = sum(_numel(model.get_submodule(m)) for m in before)
+        tail = sum(_numel(model.get_submodule(m)) for m in after)
+        starts = _balance(costs, num_stages, head, tail)
+    plan = StagePlan(name, starts, blocks, before, after)
+    _check_no_shared_parameters(model, plan)
+    return plan
+
+
+def keep_stage(model: nn.Module, plan: StagePlan, stage: int) -> None:
+    """Prune ``model`` in place to what ``stage`` runs (other stages' modules dropped or set to ``None``)."""
+    container = model.get_submodule(plan.container)
+    keep = {str(i) for i in plan.blocks_of(stage)}
+    for key in list(container._modules):
+        if key not in keep:
+            del container._modules[key]
+    dropped = (plan.after if stage < plan.num_stages - 1 else ()) + (plan.before if stage > 0 else ())
+    for name in dropped:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, None)
+
+
+def _around(model: nn.Module, container: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules with parameters registered before and after the path to ``container``, by ancestor."""
+    before: list[str] = []
+    after: list[str] = []
+    parts = container.split(".")
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        parent = model.get_submodule(prefix)
+        if any(True for _ in parent.parameters(recurse=False)):
+            held = ", ".join(n for n, _ in parent.named_parameters(recurse=False))
+            raise ValueError(
+                f"ShardStrategy(pipeline_parallel_size>1) cannot place the parameters {held} held directly by"
+                f" {prefix or type(model).__name__} on a stage. Hold them in a submodule (an nn.Linear, an"
+                " nn.Embedding) registered before or after the block list."
+            )
+        seen = False
+        for child, module in parent.named_children():
+            if child == part:
+                seen = True
+            elif module is not None and _numel(module) > 0:
+                (after if seen else before).append(f"{prefix}.{child}" if prefix else child)
+    return tuple(before), tuple(after)
+
+
+def _starts_from_points(container: str, blocks: int, points: tuple[str, ...]) -> tuple[int, ...]:
+    valid = [f"{container}.{i}" for i in range(1, blocks)]
+    starts = [0]
+    for point in points:
+        if point not in valid:
+            raise ValueError(
+                f"ShardStrategy(pipeline_split_points=[..., {point!r}, ...]) is not a block that can start a"
+                f" stage. Name blocks of {container}, in order: {valid}."
+            )
+        index = int(point.rpartition(".")[2])
+        if index <= starts[-1]:
+            raise ValueError(
+                f"ShardStrategy(pipeline_split_points={list(points)!r}) must name blocks in increasing order,"
+                " one stage each."
+            )
+        starts.append(index)
+    return tuple(starts)
+
+
+def _balance(costs: list[int], stages: int, head: int, tail: int) -> tuple[int, ...]:
+    """Contiguous runs of blocks, one or more per stage, minimising the largest stage's cost.
+
+    ``best[s][i]``: the smallest possible largest cost when the first ``i`` blocks form ``s`` stages; the
+    first stage also carries ``head`` (embeddings), the last ``tail`` (head). O(stages x blocks^2).
+    """
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                load = prefix[i] - prefix[j] + (head if s == 1 else 0) + (tail if s == stages else 0)
+                value = max(best[s - 1][j], load)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    starts, i = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][i]
+        starts.append(i)
+    return tuple(reversed(starts))
+
+
+def _check_no_shared_parameters(model: nn.Module, plan: StagePlan) -> None:
+    """A parameter used on two stages (a head tied to the input embedding) would need its gradients summed
+    across them; refuse it with the fix."""
+    pieces = [(m, 0) for m in plan.before] + [(m, plan.num_stages - 1) for m in plan.after]
+    pieces += [(f"{plan.container}.{i}", s) for s in range(plan.num_stages) for i in plan.blocks_of(s)]
+    owner: dict[int, tuple[str, int]] = {}
+    for name, stage in pieces:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            first = owner.setdefault(id(param), (f"{name}.{param_name}", stage))
+            if first[1] != stage:
+                raise ValueError(
+                    f"ShardStrategy(pipeline_parallel_size={plan.num_stages}): {first[0]} (stage {first[1]}) and"
+                    f" {name}.{param_name} (stage {stage}) are one tied parameter, which pipeline stages cannot"
+                    " share. Untie them (e.g. GPTModule(tie_embeddings=False), Hugging Face"
+                    " tie_word_embeddings=False), or use pipeline_parallel_size=1."
+                )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+__all__ = ["StagePlan", "keep_stage", "plan_stages"]

@@ -1,0 +1,150 @@
+"""Pipeline flags, layouts and splitting, checked without processes (the runs are in
+tests/test_pipeline_multirank.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shard import ShardStrategy
+from lightning_shard._pipeline_steps import check_contract, split_batch
+from lightning_shard.parallel import MeshLayout
+from lightning_shard.pipeline import keep_stage, plan_stages
+from tests.helpers import tiny_gpt
+
+
+def test_defaults_and_off():
+    strategy = ShardStrategy(pipeline_parallel_size=2)
+    assert strategy.config.pipeline_schedule == "1f1b"
+    assert strategy.config.microbatches == 4  # 2 x stages
+    assert strategy.config.stages_per_rank == 1
+    assert ShardStrategy().config.pipeline_parallel_size == 1
+    assert (
+        ShardStrategy(pipeline_parallel_size=4, microbatches=8, pipeline_schedule="gpipe").config.microbatches
+        == 8
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0\) must be an integer >= 1"),
+        (
+            dict(pipeline_parallel_size=2, pipeline_schedule="looped"),
+            r"pipeline_schedule='looped'\) is unknown",
+        ),
+        (
+            dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
+            r"pipeline_schedule='interleaved_1f1b'\) is not available yet.*Use '1f1b' or 'gpipe'",
+        ),
+        (
+            dict(pipeline_parallel_size=2, stages_per_rank=2),
+            r"stages_per_rank=2\) needs an interleaved schedule",
+        ),
+        (dict(pipeline_parallel_size=2, microbatches=0), r"microbatches=0\) must be an integer >= 1"),
+        (dict(pipeline_parallel_size=4, microbatches=2), r"microbatches=2, pipeline_parallel_size=4\).*>= 4"),
+        (dict(microbatches=4), r"microbatches=4\) is only used with pipeline_parallel_size > 1"),
+        (dict(pipeline_split_points=["model.blocks.1"]), r"pipeline_split_points=...\) is only used"),
+        (
+            dict(pipeline_parallel_size=3, pipeline_split_points=["model.blocks.1"]),
+            r"names 1 split points; pipeline_parallel_size=3 needs 2",
+        ),
+        (
+            dict(pipeline_parallel_size=2, pipeline_split_points="model.blocks.1"),
+            r"must be a list of module names",
+        ),
+        (
+            dict(stage=1, pipeline_parallel_size=2),
+            r"stage=1, pipeline_parallel_size=2\) cannot run.*Use stage=2",
+        ),
+    ],
+)
+def test_flag_errors(flags, match):
+    with pytest.raises(ValueError, match=match):
+        ShardStrategy(**flags)
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_engine_refuses_pipeline_stages():
+    with pytest.raises(
+        ValueError, match=r"pipeline_parallel_size=2\) is not available with the DeepSpeed engine"
+    ):
+        ShardStrategy(engine="deepspeed", pipeline_parallel_size=2)
+
+
+def test_layout_puts_stages_outermost():
+    layout = MeshLayout.for_world(8, replicate_size=1, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (layout.pp, layout.replicate, layout.shard, layout.tp) == (2, 1, 2, 2)
+    assert layout.data_parallel_size == 2
+    # ranks 0-3 are stage 0, 4-7 stage 1; within a stage, pairs are tensor-parallel groups
+    assert [layout.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3\) does not divide the world size 8"):
+        MeshLayout.for_world(8, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4\) does not divide the world size 2"):
+        MeshLayout.for_world(4, tensor_parallel_size=4, pipeline_parallel_size=2)
+
+
+def test_balanced_split_and_pruning():
+    model = tiny_gpt(n_layers=4, tie_embeddings=False)
+    plan = plan_stages(model, 2)
+    assert plan.container == "model.blocks"
+    assert plan.before == ("model.tok_emb", "model.pos_emb") and plan.after == ("model.ln_f", "model.head")
+    assert plan.starts == (0, 2)
+    assert plan_stages(model, 2, ("model.blocks.1",)).starts == (0, 1)
+    keep_stage(model, plan, 1)
+    names = {name for name, _ in model.named_parameters()}
+    assert "model.blocks.2.attn.qkv.weight" in names and "model.head.weight" in names
+    assert not any(n.startswith(("model.blocks.0.", "model.blocks.1.", "model.tok_emb")) for n in names)
+    hidden = torch.randn(2, 8, 32)  # a stage after the first receives hidden states
+    assert model(hidden).shape == (2, 8, 64)
+
+
+def test_split_errors():
+    with pytest.raises(
+        ValueError, match=r"model.tok_emb.weight \(stage 0\) and model.head.weight \(stage 1\).*Untie"
+    ):
+        plan_stages(tiny_gpt(), 2)
+    with pytest.raises(ValueError, match=r"at least one block per stage, but model.blocks holds 2"):
+        plan_stages(tiny_gpt(tie_embeddings=False), 3)
+    with pytest.raises(ValueError, match=r"'model.blocks.5'.*Name blocks of model.blocks, in order"):
+        plan_stages(tiny_gpt(tie_embeddings=False, n_layers=4), 2, ("model.blocks.5",))
+    with pytest.raises(ValueError, match=r"must name blocks in increasing order"):
+        plan_stages(tiny_gpt(tie_embeddings=False, n_layers=4), 3, ("model.blocks.2", "model.blocks.1"))
+    with pytest.raises(ValueError, match=r"holds no list of identical blocks"):
+        plan_stages(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    with pytest.raises(ValueError, match=r"parameters scale held directly by Scaled"):
+        plan_stages(Scaled(), 2)
+
+
+def test_module_contract_errors():
+    module = tiny_gpt()
+    check_contract(module, 2)  # the demo GPT meets it
+    module.pipeline_loss = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"needs GPTModule.pipeline_loss\(output, target\)"):
+        check_contract(module, 2)
+    module = tiny_gpt()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match=r"manual optimization"):
+        check_contract(module, 2)
+    x = torch.zeros(2, 3)
+    assert split_batch(module, (x, x))[0] == (x,)
+    with pytest.raises(ValueError, match=r"Define GPTModule.pipeline_batch\(batch\) -> \(inputs, target\)"):
+        split_batch(module, {"x": x})
+
+
+def test_batch_must_split_into_microbatches():
+    from lightning_shard.pipeline.runner import check_microbatches
+
+    check_microbatches((torch.zeros(8, 3),), torch.zeros(8, 3), 4)
+    with pytest.raises(ValueError, match=r"microbatches=4\) does not divide the batch of 6 samples"):
+        check_microbatches((torch.zeros(6, 3),), None, 4)
+    with pytest.raises(ValueError, match=r"found no tensor in the batch"):
+        check_microbatches(([1, 2],), None, 2)

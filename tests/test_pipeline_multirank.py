@@ -1,0 +1,151 @@
+"""Pipeline stages on 2 and 4 CPU ranks: losses and final weights equal to one process.
+
+Plain SGD (every update is lr x gradient, so a wrong gradient scale shows) and AdamW, 3 optimizer steps of
+accumulation 2 with clipping on: the clip sees the global norm over both stages' parameters, and the
+schedule's microbatch losses carry the 1 / (microbatches x accumulation) scale.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos import GPTModule
+from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.parallel import MeshLayout
+from tests.helpers import LossRecorder, full_weights, tiny_gpt, token_dataset, trainer_kwargs
+from tests.test_parity_multirank import CLIP, SGD_LR
+
+pytestmark = pytest.mark.multirank
+
+BATCH = 8  # per optimizer step and accumulation step, over all data-parallel ranks
+# AdamW divides each update by the gradient's running RMS, which turns float rounding in near-zero
+# gradients into differences of up to ~1e-5 in the weights after 3 steps; SGD's are ~1e-8.
+WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-4}
+
+
+class PipeGPT(GPTModule):
+    """The tiny GPT, untied (stages cannot share a parameter), with SGD or AdamW and an evaluation loss."""
+
+    def __init__(self, optimizer: str = "adamw", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=SGD_LR)
+        return super().configure_optimizers()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self(x), y))
+
+
+def _model(optimizer: str) -> PipeGPT:
+    reference = tiny_gpt(tie_embeddings=False)  # the helpers' sizes and seed
+    torch.manual_seed(0)
+    model = PipeGPT(optimizer, **{k: v for k, v in reference.hparams.items()})
+    return model
+
+
+def _loader(world: int, pp: int, batch: int) -> DataLoader:
+    """In order; the stages of one pipeline read the same batches (the strategy's sampler rule)."""
+    layout = MeshLayout.for_world(world, pipeline_parallel_size=pp)
+    rank = int(os.environ.get("RANK", 0)) if world > 1 else 0
+    dataset = token_dataset(64)
+    sampler = DistributedSampler(
+        dataset, num_replicas=layout.data_parallel_size, rank=layout.data_parallel_rank(rank), shuffle=False
+    )
+    return DataLoader(dataset, batch_size=batch, sampler=sampler)
+
+
+def _fit(optimizer: str, world: int = 1, validate: bool = False, **flags: Any) -> dict[str, Any]:
+    recorder = LossRecorder()
+    pp = flags.get("pipeline_parallel_size", 1)
+    trainer = L.Trainer(
+        devices=world,
+        strategy=ShardStrategy(**flags) if world > 1 else "auto",
+        callbacks=[recorder],
+        **trainer_kwargs(
+            max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"
+        ),
+    )
+    model = _model(optimizer)
+    dp = world // pp
+    trainer.fit(model, _loader(world, pp, BATCH // dp))
+    out: dict[str, Any] = {"losses": recorder.losses, "weights": full_weights(trainer)}
+    if validate:
+        out["val_loss"] = trainer.validate(model, _loader(world, pp, BATCH // dp), verbose=False)[0][
+            "val_loss"
+        ]
+    return out
+
+
+def _reference(optimizer: str) -> dict[str, Any]:
+    return _fit(optimizer, validate=True)
+
+
+def _check(result: dict[str, Any], optimizer: str, name: str) -> None:
+    expected = _reference(optimizer)
+    assert len(result["losses"]) == 6
+    torch.testing.assert_close(
+        result["losses"], expected["losses"], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
+    )
+    assert sorted(result["weights"]) == sorted(expected["weights"])
+    for key, value in expected["weights"].items():
+        torch.testing.assert_close(
+            result["weights"][key],
+            value,
+            rtol=1e-5,
+            atol=WEIGHT_ATOL[optimizer],
+            msg=lambda m, key=key: f"{name} {key}: {m}",
+        )
+    if "val_loss" in result:
+        torch.testing.assert_close(result["val_loss"], expected["val_loss"], rtol=1e-5, atol=0)
+
+
+# name -> (optimizer, flags): both schedules, stage 0 (replicate()) and FSDP2 stages 2 and 3 in each stage.
+PP2 = {
+    "pp2 gpipe, stage 0, sgd": ("sgd", dict(stage=0, pipeline_schedule="gpipe")),
+    "pp2 1f1b, stage 3, sgd": ("sgd", dict(stage=3, pipeline_schedule="1f1b")),
+    "pp2 1f1b, stage 2, adamw": ("adamw", dict(stage=2, pipeline_schedule="1f1b")),
+    "pp2 gpipe, stage 3, adamw": ("adamw", dict(stage=3, pipeline_schedule="gpipe")),
+}
+
+
+def _pp2_matrix() -> dict[str, dict[str, Any]]:
+    results = {}
+    for name, (optimizer, flags) in PP2.items():
+        # validate after fit through the forward-only schedule, once per schedule
+        validate = name.startswith("pp2 gpipe, stage 3") or name.startswith("pp2 1f1b, stage 3")
+        results[name] = _fit(optimizer, 2, validate, pipeline_parallel_size=2, microbatches=2, **flags)
+    return results
+
+
+def test_two_stages_follow_one_process():
+    ranks = run_ranks(_pp2_matrix, world_size=2)
+    for name, (optimizer, _) in PP2.items():
+        # each rank holds its own stage's weights: together, the whole model
+        merged = {**ranks[0][name]["weights"], **ranks[1][name]["weights"]}
+        assert not set(ranks[0][name]["weights"]) & set(ranks[1][name]["weights"])
+        for rank in ranks:
+            _check({**rank[name], "weights": merged}, optimizer, name)
+
+
+def _pp2_dp2() -> dict[str, Any]:
+    return _fit("sgd", 4, False, stage=3, pipeline_parallel_size=2, microbatches=2)
+
+
+def test_two_stages_by_two_zero3_ranks_follow_one_process():
+    ranks = run_ranks(_pp2_dp2, world_size=4)
+    # ranks 0-1 hold stage 0 (sharded over both), ranks 2-3 stage 1
+    merged = {**ranks[0]["weights"], **ranks[2]["weights"]}
+    assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
+    for rank in ranks:
+        _check({**rank, "weights": merged}, "sgd", "pp2 x dp2, stage 3")
