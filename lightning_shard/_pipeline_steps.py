@@ -63,6 +63,17 @@ def split_batch(module: L.LightningModule, batch: Any) -> tuple[tuple[Any, ...],
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
 
 
+def predict_inputs(module: L.LightningModule, batch: Any) -> tuple[Any, ...]:
+    """The first stage's arguments for ``predict``: ``pipeline_batch(batch)[0]``, the first of an
+    ``(inputs, target)`` pair, or the batch itself."""
+    if callable(getattr(module, "pipeline_batch", None)):
+        inputs = split_batch(module, batch)[0]
+        return inputs
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        batch = batch[0]
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
 class PipelineSteps(EngineSteps):
     """Lightning's step hooks, run through a pipeline schedule when ``pipeline_parallel_size > 1``."""
 
@@ -197,10 +208,9 @@ class PipelineSteps(EngineSteps):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
-        raise ValueError(
-            f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) does not run predict"
-            " yet: only the last stage holds the outputs. Predict with pipeline_parallel_size=1."
-        )
+        inputs = predict_inputs(self._lm, args[0])
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.predict_step(inputs)
 
     def _eval_step(self, name: str, batch: Any) -> Tensor:
         assert self._pipeline is not None

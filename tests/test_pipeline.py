@@ -148,3 +148,14 @@ def test_batch_must_split_into_microbatches():
         check_microbatches((torch.zeros(6, 3),), None, 4)
     with pytest.raises(ValueError, match=r"found no tensor in the batch"):
         check_microbatches(([1, 2],), None, 2)
+
+
+def test_predict_inputs():
+    from lightning_shard._pipeline_steps import predict_inputs
+
+    module = tiny_gpt()
+    x, y = torch.zeros(2, 3), torch.ones(2, 3)
+    assert predict_inputs(module, (x, y)) == (x,)
+    assert predict_inputs(module, x)[0] is x
+    module.pipeline_batch = lambda batch: (batch["tokens"], None)  # type: ignore[attr-defined]
+    assert predict_inputs(module, {"tokens": y})[0] is y

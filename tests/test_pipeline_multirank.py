@@ -46,6 +46,9 @@ class PipeGPT(GPTModule):
         x, y = batch
         self.log("val_loss", self.pipeline_loss(self(x), y))
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
 
 def _model(optimizer: str) -> PipeGPT:
     reference = tiny_gpt(tie_embeddings=False)  # the helpers' sizes and seed
@@ -81,9 +84,10 @@ def _fit(optimizer: str, world: int = 1, validate: bool = False, **flags: Any) -
     trainer.fit(model, _loader(world, pp, BATCH // dp))
     out: dict[str, Any] = {"losses": recorder.losses, "weights": full_weights(trainer)}
     if validate:
-        out["val_loss"] = trainer.validate(model, _loader(world, pp, BATCH // dp), verbose=False)[0][
-            "val_loss"
-        ]
+        loader = _loader(world, pp, BATCH // dp)
+        out["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        predictions = trainer.predict(model, loader)
+        out["logits"] = torch.cat([p.float() for p in predictions])  # type: ignore[union-attr]
     return out
 
 
@@ -108,6 +112,8 @@ def _check(result: dict[str, Any], optimizer: str, name: str) -> None:
         )
     if "val_loss" in result:
         torch.testing.assert_close(result["val_loss"], expected["val_loss"], rtol=1e-5, atol=0)
+        # predict: the last stage's output on every rank of the pipeline
+        torch.testing.assert_close(result["logits"], expected["logits"], rtol=1e-5, atol=1e-5)
 
 
 # name -> (optimizer, flags): both schedules, stage 0 (replicate()) and FSDP2 stages 2 and 3 in each stage.
@@ -122,7 +128,7 @@ PP2 = {
 def _pp2_matrix() -> dict[str, dict[str, Any]]:
     results = {}
     for name, (optimizer, flags) in PP2.items():
-        # validate after fit through the forward-only schedule, once per schedule
+        # validate and predict after fit through forward-only schedules, once per schedule
         validate = name.startswith("pp2 gpipe, stage 3") or name.startswith("pp2 1f1b, stage 3")
         results[name] = _fit(optimizer, 2, validate, pipeline_parallel_size=2, microbatches=2, **flags)
     return results

@@ -46,6 +46,7 @@ class StageRunner:
         self.schedule = schedule_class(schedule)(
             self.stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False
         )
+        self._forward_only: Any = None  # a schedule without a loss, for predict (made on first use)
         self._group = group
         self._device = device
         self._last_rank = dist.get_global_rank(group, num_stages - 1)
@@ -83,6 +84,19 @@ class StageRunner:
         args = inputs if self.is_first else ()
         self.schedule.eval(*args, target=target if self.is_last else None, losses=losses)
         return self._broadcast_loss(losses, 1.0)
+
+    def predict_step(self, inputs: tuple[Any, ...]) -> Any:
+        """Forward only, without a loss; returns the last stage's output (on the CPU) on every stage."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        check_microbatches(inputs, None, self.microbatches)
+        if self._forward_only is None:
+            self._forward_only = type(self.schedule)(self.stage, self.microbatches)
+        output = self._forward_only.step(*(inputs if self.is_first else ()))
+        # Shapes and types are known only on the last stage: the output travels pickled, through host memory.
+        box = [move_data_to_device(output, "cpu") if self.is_last else None]
+        dist.broadcast_object_list(box, src=self._last_rank, group=self._group)
+        return box[0]
 
     def _broadcast_loss(self, losses: list[Tensor], loss_scale: float) -> Tensor:
         if self.is_last:
