@@ -34,3 +34,19 @@ def test_bench_big_init_smoke(tmp_path):
         median = report[mode]["median"]
         for key in ("setup_anon", "setup_total", "step_anon", "step_total"):
             assert median[f"rank0_{key}_bytes"] > 0 and median[f"rank1_{key}_x_params"] > 0
+
+
+@pytest.mark.multirank
+def test_bench_pipeline_smoke(tmp_path):
+    """Activation memory of torch's schedules, exactly: GPipe holds every micro-batch, 1F1B at most p + 1 on the
+    first stage (a forward runs before each backward in its steady state) and one on the last."""
+    out = tmp_path / "pipeline.json"
+    args = ("--stages", "2", "--microbatches", "4", "--steps", "1", "--width", "64", "--out", str(out))
+    run = run_benchmark("bench_pipeline.py", *args)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert results["gpipe/m=4"]["peak_activation_microbatches_per_rank"] == [4.0, 4.0]
+    first, last = results["1f1b/m=4"]["peak_activation_microbatches_per_rank"]
+    assert first <= 3 and last == 1.0
+    for row in results.values():
+        assert 0 <= row["measured_bubble_median_over_ranks"] < 1 and row["formula_bubble"] == 0.2
