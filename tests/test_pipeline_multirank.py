@@ -50,16 +50,16 @@ class PipeGPT(GPTModule):
         return self(batch[0])
 
 
-def _model(optimizer: str) -> PipeGPT:
-    reference = tiny_gpt(tie_embeddings=False)  # the helpers' sizes and seed
+def _model(optimizer: str, n_layers: int) -> PipeGPT:
+    reference = tiny_gpt(tie_embeddings=False, n_layers=n_layers)  # the helpers' sizes and seed
     torch.manual_seed(0)
-    model = PipeGPT(optimizer, **{k: v for k, v in reference.hparams.items()})
-    return model
+    return PipeGPT(optimizer, **dict(reference.hparams))
 
 
-def _loader(world: int, pp: int, batch: int) -> DataLoader:
-    """In order; the stages of one pipeline read the same batches (the strategy's sampler rule)."""
-    layout = MeshLayout.for_world(world, pipeline_parallel_size=pp)
+def _loader(world: int, pp: int, batch: int, tp: int = 1) -> DataLoader:
+    """In order; the stages of one pipeline, and the ranks of a tensor-parallel group, read the same
+    batches (the strategy's sampler rule)."""
+    layout = MeshLayout.for_world(world, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     rank = int(os.environ.get("RANK", 0)) if world > 1 else 0
     dataset = token_dataset(64)
     sampler = DistributedSampler(
@@ -68,7 +68,9 @@ def _loader(world: int, pp: int, batch: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, sampler=sampler)
 
 
-def _fit(optimizer: str, world: int = 1, validate: bool = False, **flags: Any) -> dict[str, Any]:
+def _fit(
+    optimizer: str, world: int = 1, validate: bool = False, n_layers: int = 2, **flags: Any
+) -> dict[str, Any]:
     recorder = LossRecorder()
     pp = flags.get("pipeline_parallel_size", 1)
     trainer = L.Trainer(
@@ -79,24 +81,21 @@ def _fit(optimizer: str, world: int = 1, validate: bool = False, **flags: Any) -
             max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"
         ),
     )
-    model = _model(optimizer)
-    dp = world // pp
-    trainer.fit(model, _loader(world, pp, BATCH // dp))
+    model = _model(optimizer, n_layers)
+    tp = flags.get("tensor_parallel_size", 1)
+    dp = world // (pp * tp)
+    trainer.fit(model, _loader(world, pp, BATCH // dp, tp))
     out: dict[str, Any] = {"losses": recorder.losses, "weights": full_weights(trainer)}
     if validate:
-        loader = _loader(world, pp, BATCH // dp)
+        loader = _loader(world, pp, BATCH // dp, tp)
         out["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
         predictions = trainer.predict(model, loader)
         out["logits"] = torch.cat([p.float() for p in predictions])  # type: ignore[union-attr]
     return out
 
 
-def _reference(optimizer: str) -> dict[str, Any]:
-    return _fit(optimizer, validate=True)
-
-
-def _check(result: dict[str, Any], optimizer: str, name: str) -> None:
-    expected = _reference(optimizer)
+def _check(result: dict[str, Any], optimizer: str, name: str, n_layers: int = 2) -> None:
+    expected = _fit(optimizer, validate=True, n_layers=n_layers)
     assert len(result["losses"]) == 6
     torch.testing.assert_close(
         result["losses"], expected["losses"], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
@@ -155,3 +154,16 @@ def test_two_stages_by_two_zero3_ranks_follow_one_process():
     assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
     for rank in ranks:
         _check({**rank, "weights": merged}, "sgd", "pp2 x dp2, stage 3")
+
+
+def _pp2_tp2() -> dict[str, Any]:
+    # 4 blocks: 2 per stage, so each stage's sequence-parallel region has an entry and an exit block
+    flags = dict(stage=3, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=2)
+    return _fit("sgd", 4, False, n_layers=4, **flags)
+
+
+def test_two_stages_by_tensor_parallel_pairs_follow_one_process():
+    ranks = run_ranks(_pp2_tp2, world_size=4)
+    merged = {**ranks[0]["weights"], **ranks[2]["weights"]}
+    for rank in ranks:
+        _check({**rank, "weights": merged}, "sgd", "pp2 x tp2, stage 3", n_layers=4)
