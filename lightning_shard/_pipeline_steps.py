@@ -28,6 +28,8 @@ from lightning_shard.pipeline.split import StagePlan
 log = logging.getLogger(__name__)
 #: Set on a LightningModule once it is cut to its stage (a later Trainer call finds it cut).
 _STAGE = "_lightning_shard_pipeline_stage"
+#: In the checkpoints of a run with pipeline stages: how many.
+PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
 
 
 def check_contract(module: L.LightningModule, stages: int) -> None:
@@ -211,6 +213,40 @@ class PipelineSteps(EngineSteps):
         inputs = predict_inputs(self._lm, args[0])
         with self.precision_plugin.predict_step_context():
             return self._pipeline.predict_step(inputs)
+
+    # --- checkpoints: written whole, not resumed yet ------------------------------------------------
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._pipeline is not None:
+            # Every stage writes its own parameters and optimizer state (keyed by name), but each optimizer's
+            # param_groups list only its own stage's parameters: the mark lets a resume refuse it.
+            checkpoint[PIPELINE_KEY] = self.config.pipeline_parallel_size
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        fix = (
+            " Start a run from its weights instead: lightning_shard.checkpoint.load_model_weights, or"
+            " `lightning-shard consolidate` and ShardStrategy(init_weights=...)."
+        )
+        if self._pipeline is not None:
+            raise ValueError(
+                f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) cannot resume"
+                f" ckpt_path={str(checkpoint_path)!r} yet: optimizer state across pipeline stages is not restored."
+                + fix
+            )
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        stages = checkpoint.get(PIPELINE_KEY, 1)
+        if stages > 1:
+            raise ValueError(
+                f"ckpt_path={str(checkpoint_path)!r} was written with ShardStrategy(pipeline_parallel_size="
+                f"{stages}), whose optimizer state lists each stage's parameters apart; resuming it is not"
+                " available yet." + fix
+            )
+        return checkpoint
 
     def _eval_step(self, name: str, batch: Any) -> Tensor:
         assert self._pipeline is not None

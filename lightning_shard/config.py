@@ -141,6 +141,7 @@ class ShardConfig:
             pipeline_split_points,
             engine_name,
             stage,
+            checkpoint,
         )
         return cls(
             stage=stage,

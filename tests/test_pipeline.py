@@ -58,6 +58,10 @@ def test_defaults_and_off():
             dict(stage=1, pipeline_parallel_size=2),
             r"stage=1, pipeline_parallel_size=2\) cannot run.*Use stage=2",
         ),
+        (
+            dict(checkpoint="full", pipeline_parallel_size=2),
+            r"checkpoint='full', pipeline_parallel_size=2\) cannot run.*Use checkpoint='sharded'",
+        ),
     ],
 )
 def test_flag_errors(flags, match):

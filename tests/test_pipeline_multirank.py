@@ -8,6 +8,7 @@ schedule's microbatch losses carry the 1 / (microbatches x accumulation) scale.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import lightning as L
@@ -167,3 +168,40 @@ def test_two_stages_by_tensor_parallel_pairs_follow_one_process():
     merged = {**ranks[0]["weights"], **ranks[2]["weights"]}
     for rank in ranks:
         _check({**rank, "weights": merged}, "sgd", "pp2 x tp2, stage 3", n_layers=4)
+
+
+def _save_then_resume(path: str) -> dict[str, Any]:
+    """Fit 2 steps with 2 stages and save; then try to resume it with and without pipeline stages."""
+    pp = dict(stage=3, pipeline_parallel_size=2, microbatches=2)
+    out: dict[str, Any] = {"errors": []}
+    for i, flags in enumerate([pp, pp, dict(stage=3)]):
+        stages = flags.get("pipeline_parallel_size", 1)
+        trainer = L.Trainer(devices=2, strategy=ShardStrategy(**flags), **trainer_kwargs(max_steps=2 + i))
+        loader = _loader(2, stages, BATCH * stages // 2)
+        try:
+            trainer.fit(_model("adamw", 2), loader, ckpt_path=None if i == 0 else path)
+        except Exception as error:  # noqa: BLE001  (the message is the result)
+            out["errors"].append(str(error))
+        if i == 0:
+            trainer.save_checkpoint(path)
+            out["weights"] = full_weights(trainer)
+    return out
+
+
+def test_checkpoint_holds_every_stage_and_resuming_it_is_refused(tmp_path):
+    from lightning_shard.checkpoint import consolidate
+
+    path = str(tmp_path / "pp2.ckpt")
+    ranks = run_ranks(_save_then_resume, path, world_size=2)
+    consolidate(path, tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)["state_dict"]
+    merged = {**ranks[0]["weights"], **ranks[1]["weights"]}
+    assert sorted(saved) == sorted(merged)
+    for key, value in merged.items():
+        torch.testing.assert_close(saved[key].float(), value, rtol=0, atol=0)
+    for rank in ranks:
+        assert "cannot resume ckpt_path=" in rank["errors"][0] and "load_model_weights" in rank["errors"][0]
+        # without stages: refused by the mark, or already by the optimizer groups that do not fit
+        assert re.search(
+            r"written with ShardStrategy\(pipeline_parallel_size=2\)|parameter group", rank["errors"][1]
+        )

@@ -36,6 +36,7 @@ def check_pipeline_flags(
     split_points: Any,
     engine: str,
     stage: Any = 3,
+    checkpoint: str = "sharded",
 ) -> tuple[int, int, tuple[str, ...] | None]:
     """Check the pipeline flags against each other; returns ``(microbatches, stages_per_rank, split_points)``
     with the defaults filled in. Whether ``pipeline_parallel_size`` divides the world is checked once the
@@ -94,6 +95,12 @@ def check_pipeline_flags(
             " microbatch needs FSDP2's data parallelism in each stage, and ZeroRedundancyOptimizer does not take"
             " its (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded, the same all-reduce"
             " volume as stage 1), stage=3 or stage=0."
+        )
+    if size > 1 and checkpoint == "full":
+        raise ValueError(
+            f"ShardStrategy(checkpoint='full', pipeline_parallel_size={size}) cannot run: one file is gathered on"
+            " rank 0, which holds only the first stage. Use checkpoint='sharded' (every stage writes its own"
+            " part; `lightning-shard consolidate` makes one file)."
         )
     return microbatches, stages_per_rank, _check_split_points(split_points, size)
 
