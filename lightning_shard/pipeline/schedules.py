@@ -46,6 +46,13 @@ def check_pipeline_flags(
             f"ShardStrategy(pipeline_parallel_size={size!r}) must be an integer >= 1 (1: off): the number of"
             " pipeline stages the model is cut into."
         )
+    stages_per_rank = _check_schedule(schedule, stages_per_rank)
+    microbatches = _check_microbatches(size, microbatches, split_points)
+    _check_combinations(size, engine, stage, checkpoint)
+    return microbatches, stages_per_rank, _check_split_points(split_points, size)
+
+
+def _check_schedule(schedule: Any, stages_per_rank: Any) -> int:
     if schedule not in SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES:
         raise ValueError(
             f"ShardStrategy(pipeline_schedule={schedule!r}) is unknown. Use '1f1b' (the default), 'gpipe',"
@@ -64,6 +71,10 @@ def check_pipeline_flags(
             f"ShardStrategy(stages_per_rank={stages_per_rank!r}) needs an interleaved schedule, which is not"
             f" available yet; pipeline_schedule={schedule!r} runs one stage per rank. Drop stages_per_rank."
         )
+    return 1
+
+
+def _check_microbatches(size: int, microbatches: Any, split_points: Any) -> int:
     if size == 1 and (microbatches is not None or split_points is not None):
         flag = f"microbatches={microbatches}" if split_points is None else "pipeline_split_points=..."
         raise ValueError(
@@ -82,6 +93,11 @@ def check_pipeline_flags(
             f"ShardStrategy(microbatches={microbatches}, pipeline_parallel_size={size}): fewer microbatches than"
             f" stages leaves stages idle for the whole step. Use microbatches >= {size} (e.g. {2 * size})."
         )
+    return microbatches
+
+
+def _check_combinations(size: int, engine: str, stage: Any, checkpoint: str) -> None:
+    """The pipeline flag against the engine, the ZeRO stage and the checkpoint mode."""
     if size > 1 and engine == "deepspeed":
         raise ValueError(
             f"ShardStrategy(pipeline_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
@@ -102,7 +118,6 @@ def check_pipeline_flags(
             " rank 0, which holds only the first stage. Use checkpoint='sharded' (every stage writes its own"
             " part; `lightning-shard consolidate` makes one file)."
         )
-    return microbatches, stages_per_rank, _check_split_points(split_points, size)
 
 
 def _check_split_points(points: Any, size: int) -> tuple[str, ...] | None:
