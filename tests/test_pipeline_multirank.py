@@ -144,17 +144,18 @@ def test_two_stages_follow_one_process():
             _check({**rank[name], "weights": merged}, optimizer, name)
 
 
-def _pp2_dp2() -> dict[str, Any]:
-    return _fit("sgd", 4, False, stage=3, pipeline_parallel_size=2, microbatches=2)
+def _pp2_dp2(flags: dict[str, Any]) -> dict[str, Any]:
+    return _fit("sgd", 4, False, pipeline_parallel_size=2, microbatches=2, **flags)
 
 
-def test_two_stages_by_two_zero3_ranks_follow_one_process():
-    ranks = run_ranks(_pp2_dp2, world_size=4)
-    # ranks 0-1 hold stage 0 (sharded over both), ranks 2-3 stage 1
+@pytest.mark.parametrize("flags", [dict(stage=3), dict(stage=3, replicate_size=2)], ids=["zero3", "hsdp"])
+def test_two_stages_by_two_data_parallel_ranks_follow_one_process(flags):
+    ranks = run_ranks(_pp2_dp2, flags, world_size=4)
+    # ranks 0-1 hold stage 0 (sharded over both, or replicated: HSDP), ranks 2-3 stage 1
     merged = {**ranks[0]["weights"], **ranks[2]["weights"]}
     assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
     for rank in ranks:
-        _check({**rank, "weights": merged}, "sgd", "pp2 x dp2, stage 3")
+        _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}")
 
 
 def _pp2_tp2() -> dict[str, Any]:
