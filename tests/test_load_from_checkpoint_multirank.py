@@ -39,6 +39,7 @@ HPARAMS = dict(
     lr=1e-2,
     weight_decay=0.05,
     max_steps=50,
+    tie_embeddings=True,
 )
 BEST_STEP = 2  # the checkpoint ModelCheckpoint(monitor="pick", mode="max") keeps: not the last one
 
