@@ -21,6 +21,8 @@ from typing_extensions import override
 from lightning_shard._modules import detect_block_classes
 from lightning_shard._processes import guarded
 from lightning_shard._steps import EngineSteps
+from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
+from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages
 from lightning_shard.pipeline.split import StagePlan
@@ -214,39 +216,32 @@ class PipelineSteps(EngineSteps):
         with self.precision_plugin.predict_step_context():
             return self._pipeline.predict_step(inputs)
 
-    # --- checkpoints: written whole, not resumed yet ------------------------------------------------
+    # --- checkpoints: sharded, resumed on any pipeline layout ----------------------------------------
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         if self._pipeline is not None:
-            # Every stage writes its own parameters and optimizer state (keyed by name), but each optimizer's
-            # param_groups list only its own stage's parameters: the mark lets a resume refuse it.
+            # Every stage writes its own parameters and optimizer state, keyed by name; the mark says how
+            # many stages wrote it (each optimizer's param groups list only its own stage's parameters,
+            # which a resume takes from the live optimizer: FSDPEngine.load_optimizer_state_dict).
             checkpoint[PIPELINE_KEY] = self.config.pipeline_parallel_size
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        fix = (
-            " Start a run from its weights instead: lightning_shard.checkpoint.load_model_weights, or"
-            " `lightning-shard consolidate` and ShardStrategy(init_weights=...)."
-        )
         if self._pipeline is not None:
-            raise ValueError(
-                f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) cannot resume"
-                f" ckpt_path={str(checkpoint_path)!r} yet: optimizer state across pipeline stages is not restored."
-                + fix
-            )
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        stages = checkpoint.get(PIPELINE_KEY, 1)
-        if stages > 1:
-            raise ValueError(
-                f"ckpt_path={str(checkpoint_path)!r} was written with ShardStrategy(pipeline_parallel_size="
-                f"{stages}), whose optimizer state lists each stage's parameters apart; resuming it is not"
-                " available yet." + fix
-            )
-        return checkpoint
+            path = follow_alias(resolve(self.broadcast(str(checkpoint_path)), "ckpt_path"))
+            if path.is_file() or is_deepspeed_checkpoint(path):
+                kind = "a one-file checkpoint" if path.is_file() else "a DeepSpeed checkpoint"
+                raise ValueError(
+                    f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) resumes sharded"
+                    f" checkpoints only, and ckpt_path={str(checkpoint_path)!r} is {kind}. Resume it once"
+                    " without pipeline stages and save it with ShardStrategy(checkpoint='sharded'), or start"
+                    " from its weights (lightning_shard.checkpoint.load_model_weights)."
+                )
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _eval_step(self, name: str, batch: Any) -> Tensor:
         assert self._pipeline is not None

@@ -163,3 +163,17 @@ def test_predict_inputs():
     assert predict_inputs(module, x)[0] is x
     module.pipeline_batch = lambda batch: (batch["tokens"], None)  # type: ignore[attr-defined]
     assert predict_inputs(module, {"tokens": y})[0] is y
+
+
+def test_resume_takes_param_names_from_the_live_optimizer_and_hyperparameters_from_the_checkpoint():
+    from lightning_shard.engines.fsdp import _with_live_params
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # another stage's names, as DCP keeps one stage's copy of the groups
+    saved = {"state": {}, "param_groups": [{"lr": 0.5, "params": ["blocks.3.weight"]}]}
+    groups = _with_live_params(model, optimizer, saved)["param_groups"]
+    assert groups[0]["params"] == ["weight", "bias"] and groups[0]["lr"] == 0.5
+    two = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["weight"]}, {"lr": 0.1, "params": ["bias"]}]}
+    with pytest.raises(ValueError, match=r"has 2 param groups but configure_optimizers\(\) made 1"):
+        _with_live_params(model, optimizer, two)

@@ -66,8 +66,9 @@ def load_sharded_into(
     Every check that can fail runs before DCP reads a byte, and every rank raises if any rank fails
     (:func:`lightning_shard._checkpoint_errors.on_every_rank`).
     """
+    stages = _every_stage_shapes(engine, model)
     meta, target = errors.on_every_rank(
-        path, lambda: _sharded_target(engine, model, optimizers, path, weights_only)
+        path, lambda: _sharded_target(engine, model, optimizers, path, weights_only, stages)
     )
 
     def apply() -> None:
@@ -88,10 +89,32 @@ def load_sharded_into(
     return meta
 
 
+def _every_stage_shapes(engine: Any, model: Any) -> errors.Shapes | None:
+    """With pipeline stages, the model's keys and shapes on every stage together (``None`` without).
+
+    Each rank holds one stage, so a rank's own keys are only part of the checkpoint's; the strict check
+    against keys the model lacks runs on every stage's keys, gathered here, outside the checks that must
+    not enter a collective."""
+    if getattr(engine.config, "pipeline_parallel_size", 1) <= 1:
+        return None
+    import torch.distributed as dist
+
+    shapes = errors.target_shapes({MODEL_KEY: engine.model_state_dict(model, full=False)})
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, shapes)
+    return {key: shape for part in gathered for key, shape in part.items()}
+
+
 def _sharded_target(
-    engine: Any, model: Any, optimizers: list[Any], path: Location, weights_only: bool | None
+    engine: Any,
+    model: Any,
+    optimizers: list[Any],
+    path: Location,
+    weights_only: bool | None,
+    stages: errors.Shapes | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's meta and this rank's empty load target, once the checkpoint is known to fit it."""
+    """Lightning's meta and this rank's empty load target, once the checkpoint is known to fit it
+    (the model's keys: those of every pipeline stage, ``stages``, where given)."""
     if is_deepspeed_checkpoint(path):
         raise errors.wrong_engine(
             path,
@@ -123,7 +146,9 @@ def _sharded_target(
             target[key] = engine.optimizer_load_target(model, optimizer, metadata, key)
     saved, wanted = errors.saved_shapes(metadata), errors.target_shapes(target)
     fix = errors.model_fix(meta.get("hyper_parameters"), model)
-    errors.check_state(path, saved, wanted, MODEL_KEY + ".", "model", strict=True, fix=fix)
+    errors.check_state(path, saved, wanted, MODEL_KEY + ".", "model", strict=stages is None, fix=fix)
+    if stages is not None:
+        errors.check_state(path, saved, stages, MODEL_KEY + ".", "model", strict=True, fix=fix)
     for key in sorted(target.keys() - {MODEL_KEY}):
         errors.check_state(path, saved, wanted, key + ".", f"optimizer ({key})", False, errors.OPTIMIZER_FIX)
     return meta, target

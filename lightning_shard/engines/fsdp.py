@@ -361,4 +361,25 @@ class FSDPEngine(Engine):
             for group, saved in zip(optimizer.param_groups, state.get("param_groups", []), strict=False):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             return
+        if not full:
+            state = _with_live_params(model, optimizer, state)
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
+
+
+def _with_live_params(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each param group listing this optimizer's own parameter names, group by group.
+
+    Each rank saves its param groups; DCP keeps one rank's copy of each entry. Under pipeline stages each
+    stage's groups list only its own parameters, so the copy kept lists one stage's: torch would then map
+    no other stage's parameters to a group. Hyperparameters are the same on every stage and come from
+    the checkpoint by group index, per-parameter state by name; the names come from the live optimizer.
+    """
+    live: list[Any] = list(get_optimizer_state_dict(model, optimizer)["param_groups"])
+    saved = state.get("param_groups", [])
+    if len(saved) != len(live):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved)} param groups but configure_optimizers() made"
+            f" {len(live)}. Resume with the same optimizer set-up."
+        )
+    groups = [{**group, "params": own["params"]} for group, own in zip(saved, live, strict=True)]
+    return {**state, "param_groups": groups}
