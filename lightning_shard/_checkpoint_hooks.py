@@ -19,11 +19,25 @@ from typing_extensions import override
 from lightning_shard import _compat
 from lightning_shard._processes import guarded
 from lightning_shard._steps import EngineSteps
-from lightning_shard.checkpoint import local_path
-from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
+from lightning_shard.checkpoint.storage import Remote, follow_alias, newest_last, resolve
 from lightning_shard.config import ShardConfig
 
 log = logging.getLogger(__name__)
+
+
+def _last_on_object_stores(trainer: Any) -> str | None:
+    """``ckpt_path="last"`` under ShardStrategy with a ModelCheckpoint on an object store."""
+    if not isinstance(trainer.strategy, CheckpointHooks):
+        return None
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            directory = resolve(callback.dirpath, "ModelCheckpoint(dirpath)")
+            found = newest_last(directory) if isinstance(directory, Remote) else None
+            if found is not None:
+                return str(found)
+    return None
 
 
 class CheckpointHooks(EngineSteps):
@@ -34,10 +48,6 @@ class CheckpointHooks(EngineSteps):
     @property
     def _full(self) -> bool:
         return self.config.checkpoint == "full"
-
-    def _location(self, path: str, flag: str) -> Location:
-        """A local path, or an object-store location for the FSDP engine (DeepSpeed writes local files only)."""
-        return local_path(path, flag) if self.config.engine == "deepspeed" else resolve(path, flag)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -85,21 +95,24 @@ class CheckpointHooks(EngineSteps):
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        path = self._location(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
+        path = resolve(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
         assert self.model is not None
         self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self.engine.remove_checkpoint(self._location(filepath, "remove_checkpoint(filepath)"))
+        self.engine.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
 
     @override
     @guarded
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = follow_alias(self._location(self.broadcast(str(checkpoint_path)), "ckpt_path"))
+        path = follow_alias(resolve(self.broadcast(str(checkpoint_path)), "ckpt_path"))
         assert self.model is not None
         if weights_only is None:
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
             trainer = getattr(self.lightning_module, "_trainer", None)
             weights_only = getattr(trainer, _compat.WEIGHTS_ONLY_ATTR, None)
         return self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)
+
+
+_compat.resolve_last_checkpoint(_last_on_object_stores)

@@ -45,26 +45,6 @@ log = logging.getLogger(__name__)
 _compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
-def _last_on_object_stores(trainer: Any) -> str | None:
-    """``ckpt_path="last"`` under ShardStrategy with a ModelCheckpoint on an object store."""
-    if not isinstance(trainer.strategy, ShardStrategy):
-        return None
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_shard.checkpoint.storage import Remote, newest_last, resolve
-
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-            directory = resolve(callback.dirpath, "ModelCheckpoint(dirpath)")
-            found = newest_last(directory) if isinstance(directory, Remote) else None
-            if found is not None:
-                return str(found)
-    return None
-
-
-_compat.resolve_last_checkpoint(_last_on_object_stores)
-
-
 class ShardStrategy(PipelineSteps, CheckpointHooks):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 

@@ -72,28 +72,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-class MetadataReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` whose ``.metadata`` is unpickled with :class:`_MetadataUnpickler`.
+class RestrictedMetadata:
+    """Mixed into a DCP reader (``FileSystemReader`` or its fsspec subclass): ``.metadata`` is unpickled with
+    :class:`_MetadataUnpickler` through the reader's own file system.
 
     Shard files need nothing more: DCP reads tensors as raw bytes and other entries with
     ``torch.load(weights_only=True)``.
     """
 
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(str(path))
-        self._metadata_file = Path(path) / ".metadata"
+    fs: Any
+    path: Any
+    load_id: str
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(self._metadata_file, "rb") as f:
+        file = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(
-                f"{str(self._metadata_file)!r} holds a {type(metadata).__name__}, not DCP metadata."
+                f"{str(file)!r} holds a {type(metadata).__name__}, not DCP metadata."
             )
         storage_meta = metadata.storage_meta or StorageMeta()
         storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         metadata.storage_meta = storage_meta
         return metadata
+
+
+class MetadataReader(RestrictedMetadata, FileSystemReader):
+    """A DCP ``FileSystemReader`` whose ``.metadata`` is unpickled with :class:`_MetadataUnpickler`."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(str(path))
 
 
 def check_deepspeed_files(path: Path) -> None:

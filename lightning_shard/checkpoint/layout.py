@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_shard.checkpoint.storage import Location, Remote, RemoteMetadataReader, resolve
+from lightning_shard.checkpoint.storage import Location, Remote, remote_metadata_reader, resolve
 
 META_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -44,7 +43,7 @@ def metadata_reader(path: str | os.PathLike | Remote, weights_only: bool | None 
     from lightning_shard.checkpoint._pickles import MetadataReader
 
     if isinstance(path, Remote):
-        return FsspecReader(path.url) if weights_only is False else RemoteMetadataReader(path)
+        return remote_metadata_reader(path, weights_only)
     return FileSystemReader(str(path)) if weights_only is False else MetadataReader(str(path))
 
 

@@ -148,7 +148,7 @@ def install_load_from_checkpoint() -> bool:
             remote = _our_url(str(path_or_url))
             if remote is not None:
                 return load_lightning_checkpoint(remote, map_location, weights_only)
-        if isinstance(path_or_url, (str, os.PathLike)) and "://" not in str(path_or_url):
+        elif isinstance(path_or_url, (str, os.PathLike)):
             if is_checkpoint_directory(path_or_url):
                 return load_lightning_checkpoint(path_or_url, map_location, weights_only)
             if Path(path_or_url).is_file():

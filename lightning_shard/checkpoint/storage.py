@@ -22,14 +22,12 @@ that checkpoint is committed, and followed by every reader.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 #: Schemes whose fsspec file systems write objects (tested against an S3 API; the others use the same calls).
 WRITABLE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
@@ -184,22 +182,14 @@ def newest_last(directory: Remote) -> Remote | None:
     return max(found, key=lambda item: item[0])[1] if found else None
 
 
-class RemoteMetadataReader(FsspecReader):
-    """DCP's fsspec reader whose ``.metadata`` goes through the restricted unpickler (see ``_pickles``)."""
+def remote_metadata_reader(path: Remote, weights_only: bool | None) -> FsspecReader:
+    """DCP's fsspec reader for ``path``; ``.metadata`` through the restricted unpickler unless
+    ``weights_only=False`` (as :func:`~lightning_shard.checkpoint.layout.metadata_reader` on disk)."""
+    if weights_only is False:
+        return FsspecReader(path.url)
+    from lightning_shard.checkpoint._pickles import RestrictedMetadata
 
-    def __init__(self, path: Remote) -> None:
-        super().__init__(path.url)
-        self._metadata = path / ".metadata"
+    class RemoteMetadataReader(RestrictedMetadata, FsspecReader):
+        pass
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from lightning_shard.checkpoint._pickles import _MetadataUnpickler
-
-        with self._metadata.open("rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(
-                f"{self._metadata} holds a {type(metadata).__name__}, not DCP metadata."
-            )
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    return RemoteMetadataReader(path.url)
