@@ -3,6 +3,8 @@ tests/test_pipeline_multirank.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -102,6 +104,37 @@ def test_balanced_split_and_pruning():
     assert not any(n.startswith(("model.blocks.0.", "model.blocks.1.", "model.tok_emb")) for n in names)
     hidden = torch.randn(2, 8, 32)  # a stage after the first receives hidden states
     assert model(hidden).shape == (2, 8, 64)
+
+
+def test_hugging_face_model_splits_by_its_own_plan():
+    pytest.importorskip("transformers")
+    from tests.helpers import CausalLM, tiny_llama_config
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_llama_config(num_hidden_layers=4, tie_word_embeddings=False)).eval()
+    plan = plan_stages(model, 2)
+    assert (plan.container, plan.before, plan.after, plan.placeholder) == (
+        "model.model.layers",
+        ("model.model.embed_tokens",),
+        ("model.model.norm", "model.lm_head"),
+        "identity",
+    )
+    ids = torch.randint(0, 64, (2, 8))
+    expected = model.model(input_ids=ids).logits
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    keep_stage(first, plan, 0)
+    keep_stage(last, plan, 1)
+    assert isinstance(first.model.lm_head, nn.Identity) and isinstance(
+        last.model.model.embed_tokens, nn.Identity
+    )
+    # the model's own forward runs each stage: hidden states go in where the token ids did
+    hidden = first.model(input_ids=ids).logits
+    assert hidden.shape == (2, 8, 32)
+    torch.testing.assert_close(last.model(input_ids=hidden).logits, expected, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match=r"embed_tokens.weight \(stage 0\) and model.lm_head.weight \(stage 1\)"
+    ):
+        plan_stages(CausalLM(tiny_llama_config(num_hidden_layers=4)), 2)  # tied
 
 
 def test_split_errors():

@@ -8,6 +8,12 @@ tables, dropout) stay on every stage. Each rank then keeps only its stage: the o
 from the list (the kept ones keep their names, ``model.blocks.2.attn...``, so state dicts stay keyed as in
 the whole model) and the other stages' modules become ``None``, which the model's forward skips (the
 contract in docs/pipeline.md).
+
+A Hugging Face model splits by the plan it carries (``config.base_model_pp_plan``: the base model's
+embeddings, its layer list and its final norm, in order; the head's class attribute ``_pp_plan``): the
+layer list is cut as above, and the modules a stage does not run become identities, as Hugging Face's
+own pipeline code replaces them, so the model's unchanged forward runs a stage (a later stage's hidden
+states go in where the token ids did; a stage before the last returns its hidden states as "logits").
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class StagePlan:
     """Modules with parameters that run before the blocks: on the first stage only."""
     after: tuple[str, ...]
     """Modules with parameters that run after the blocks: on the last stage only."""
+    placeholder: str = "none"
+    """What replaces another stage's module: ``"none"`` (the forward skips it) or ``"identity"`` (a Hugging
+    Face model's forward runs it: :func:`hf_pipeline_plan`)."""
 
     @property
     def num_stages(self) -> int:
@@ -47,7 +56,8 @@ class StagePlan:
 def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...] | None = None) -> StagePlan:
     """Cut ``model`` into ``num_stages`` stages: at ``split_points`` (the blocks that start stages 2, 3, ...),
     or balanced by parameter count (first stage + embeddings, last stage + head)."""
-    found = largest_block_container(model)
+    hf = hf_pipeline_plan(model)
+    found = (hf[0], model.get_submodule(hf[0])) if hf is not None else largest_block_container(model)
     if found is None:
         raise ValueError(
             f"ShardStrategy(pipeline_parallel_size={num_stages}) cannot split {type(model).__name__}: it holds no"
@@ -61,7 +71,7 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
             f"ShardStrategy(pipeline_parallel_size={num_stages}) needs at least one block per stage, but"
             f" {name} holds {blocks}. Use pipeline_parallel_size <= {blocks}."
         )
-    before, after = _around(model, name)
+    before, after = hf[1:] if hf is not None else _around(model, name)
     if split_points is not None:
         starts = _starts_from_points(name, blocks, split_points)
     else:
@@ -69,7 +79,7 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
         head = sum(_numel(model.get_submodule(m)) for m in before)
         tail = sum(_numel(model.get_submodule(m)) for m in after)
         starts = _balance(costs, num_stages, head, tail)
-    plan = StagePlan(name, starts, blocks, before, after)
+    plan = StagePlan(name, starts, blocks, before, after, "identity" if hf is not None else "none")
     _check_no_shared_parameters(model, plan)
     return plan
 
@@ -84,7 +94,52 @@ def keep_stage(model: nn.Module, plan: StagePlan, stage: int) -> None:
     dropped = (plan.after if stage < plan.num_stages - 1 else ()) + (plan.before if stage > 0 else ())
     for name in dropped:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, None)
+        setattr(model.get_submodule(parent), attr, nn.Identity() if plan.placeholder == "identity" else None)
+
+
+def hf_pipeline_plan(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
+    """``(layer list, modules before it, modules after it)`` by the pipeline plan of the outermost Hugging
+    Face model in ``model`` (``config.base_model_pp_plan`` and the head's ``_pp_plan``), or ``None``."""
+    for prefix, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_pp_plan", None)
+        base_name = getattr(module, "base_model_prefix", None)
+        if not plan or not isinstance(base_name, str):
+            continue
+        base = getattr(module, base_name, None) if base_name else None
+        base_path = _join(prefix, base_name) if isinstance(base, nn.Module) else prefix
+        base = model.get_submodule(base_path)
+        keys = [k for k in plan if isinstance(getattr(base, k, None), nn.Module)]
+        lists = [k for k in keys if isinstance(getattr(base, k), (nn.ModuleList, nn.Sequential))]
+        if len(lists) != 1:
+            raise ValueError(
+                f"ShardStrategy(pipeline_parallel_size>1): the pipeline plan of {type(base).__name__}"
+                f" ({list(plan)}) names {len(lists)} layer lists; it can be cut at exactly one."
+            )
+        cut = keys.index(lists[0])
+        # the head's own entries: its class attribute (an instance's merges in the base model's, prefixed)
+        own = getattr(type(module), "_pp_plan", None) or {} if base_path != prefix else {}
+        head = tuple(_join(prefix, k) for k in own)
+        before = tuple(_join(base_path, k) for k in keys[:cut])
+        after = tuple(_join(base_path, k) for k in keys[cut + 1 :]) + head
+        _check_plan_covers(model, _join(base_path, lists[0]), before + after)
+        return _join(base_path, lists[0]), before, after
+    return None
+
+
+def _check_plan_covers(model: nn.Module, container: str, placed: tuple[str, ...]) -> None:
+    """Every parameter lies in the layer list or in a module the plan places on a stage."""
+    roots = (container, *placed)
+    loose = [n for n, _ in model.named_parameters() if not any(n.startswith(r + ".") for r in roots)]
+    if loose:
+        raise ValueError(
+            f"ShardStrategy(pipeline_parallel_size>1) splits {type(model).__name__} by its Hugging Face"
+            f" pipeline plan, which places no stage for {loose[:4]}. Keep extra trainable modules out of a"
+            " pipelined model, or use pipeline_parallel_size=1."
+        )
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _around(model: nn.Module, container: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -180,4 +235,4 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-__all__ = ["StagePlan", "keep_stage", "plan_stages"]
+__all__ = ["StagePlan", "hf_pipeline_plan", "keep_stage", "plan_stages"]
