@@ -19,6 +19,7 @@ states go in where the token ids did; a stage before the last returns its hidden
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -57,7 +58,9 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
     """Cut ``model`` into ``num_stages`` stages: at ``split_points`` (the blocks that start stages 2, 3, ...),
     or balanced by parameter count (first stage + embeddings, last stage + head)."""
     hf = hf_pipeline_plan(model)
-    found = (hf[0], model.get_submodule(hf[0])) if hf is not None else largest_block_container(model)
+    found = largest_block_container(model)
+    if hf is not None:
+        found = (hf[0], cast(nn.ModuleList, model.get_submodule(hf[0])))
     if found is None:
         raise ValueError(
             f"ShardStrategy(pipeline_parallel_size={num_stages}) cannot split {type(model).__name__}: it holds no"
