@@ -24,11 +24,11 @@ from lightning_shard._steps import EngineSteps
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages
+from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
 from lightning_shard.pipeline.split import StagePlan
 
 log = logging.getLogger(__name__)
-#: Set on a LightningModule once it is cut to its stage (a later Trainer call finds it cut).
+#: Set on a LightningModule once it is cut to its stages: the plan (a later Trainer call finds it cut).
 _STAGE = "_lightning_shard_pipeline_stage"
 #: In the checkpoints of a run with pipeline stages: how many.
 PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
@@ -93,9 +93,9 @@ class PipelineSteps(EngineSteps):
         return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
 
     def _cut_to_stage(self) -> None:
-        """Before the engine shards the module: keep only this rank's stage of it (once per module)."""
-        stages, stage = self.config.pipeline_parallel_size, self.pipeline_stage
-        if stage is None:
+        """Before the engine shards the module: keep only this rank's stages of it (once per module)."""
+        stages, rank = self.config.pipeline_parallel_size, self.pipeline_stage
+        if rank is None:
             return
         module = self._lm
         check_contract(module, stages)
@@ -110,29 +110,34 @@ class PipelineSteps(EngineSteps):
             self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
         if getattr(module, _STAGE, None) is not None:
             return
-        plan: StagePlan = plan_stages(module, stages, self.config.pipeline_split_points)
-        keep_stage(module, plan, stage)
-        setattr(module, _STAGE, stage)
-        log.info(
-            "ShardStrategy: pipeline stage %d of %d holds %s", stage, stages, list(plan.blocks_of(stage))
-        )
+        total = stages * self.config.stages_per_rank
+        plan: StagePlan = plan_stages(module, total, self.config.pipeline_split_points)
+        own = stages_of_rank(rank, stages, self.config.stages_per_rank)
+        keep_stage(module, plan, own)
+        setattr(module, _STAGE, plan)
+        for stage in own:
+            log.info(
+                "ShardStrategy: pipeline stage %d of %d holds %s", stage, total, list(plan.blocks_of(stage))
+            )
 
     def _build_stage_runner(self) -> None:
         """After the engine has wrapped the module: the stage and the schedule that run it."""
-        stage = self.pipeline_stage
-        if stage is None:
+        rank = self.pipeline_stage
+        if rank is None:
             self._pipeline = None
             return
         assert self.model is not None
+        size, per_rank = self.config.pipeline_parallel_size, self.config.stages_per_rank
         self._pipeline = StageRunner(
             self.model,
-            stage,
-            self.config.pipeline_parallel_size,
+            stages_of_rank(rank, size, per_rank),
+            size * per_rank,
             self.root_device,
             self.device_mesh["pp"].get_group(),
             self.config.pipeline_schedule,
             self.config.microbatches,
             self._lm.pipeline_loss,  # type: ignore[arg-type]  # checked at set-up (check_contract)
+            getattr(self._lm, _STAGE),
         )
 
     @override

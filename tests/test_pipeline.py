@@ -21,6 +21,8 @@ def test_defaults_and_off():
     assert strategy.config.pipeline_schedule == "1f1b"
     assert strategy.config.microbatches == 4  # 2 x stages
     assert strategy.config.stages_per_rank == 1
+    interleaved = ShardStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b").config
+    assert interleaved.stages_per_rank == 2 and interleaved.microbatches == 4
     assert ShardStrategy().config.pipeline_parallel_size == 1
     assert (
         ShardStrategy(pipeline_parallel_size=4, microbatches=8, pipeline_schedule="gpipe").config.microbatches
@@ -37,12 +39,25 @@ def test_defaults_and_off():
             r"pipeline_schedule='looped'\) is unknown",
         ),
         (
-            dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
-            r"pipeline_schedule='interleaved_1f1b'\) is not available yet.*Use '1f1b' or 'gpipe'",
+            dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", stages_per_rank=1),
+            r"pipeline_schedule='interleaved_1f1b', stages_per_rank=1\) interleaves.*stages_per_rank >= 2",
         ),
         (
             dict(pipeline_parallel_size=2, stages_per_rank=2),
-            r"stages_per_rank=2\) needs an interleaved schedule",
+            r"pipeline_schedule='1f1b', stages_per_rank=2\): this schedule runs one stage per rank",
+        ),
+        (dict(pipeline_parallel_size=2, stages_per_rank=0), r"stages_per_rank=0\) must be an integer >= 1"),
+        (
+            dict(pipeline_parallel_size=4, pipeline_schedule="zero_bubble", microbatches=9),
+            r"microbatches=9, pipeline_parallel_size=4\): the interleaved schedules run.*multiple of 2",
+        ),
+        (
+            dict(
+                pipeline_parallel_size=2,
+                pipeline_schedule="zero_bubble",
+                pipeline_split_points=["model.blocks.1"],
+            ),
+            r"names 1 split points; 4 stages need 3",
         ),
         (dict(pipeline_parallel_size=2, microbatches=0), r"microbatches=0\) must be an integer >= 1"),
         (dict(pipeline_parallel_size=4, microbatches=2), r"microbatches=2, pipeline_parallel_size=4\).*>= 4"),
@@ -50,7 +65,7 @@ def test_defaults_and_off():
         (dict(pipeline_split_points=["model.blocks.1"]), r"pipeline_split_points=...\) is only used"),
         (
             dict(pipeline_parallel_size=3, pipeline_split_points=["model.blocks.1"]),
-            r"names 1 split points; pipeline_parallel_size=3 needs 2",
+            r"names 1 split points; 3 stages need 2",
         ),
         (
             dict(pipeline_parallel_size=2, pipeline_split_points="model.blocks.1"),

@@ -144,18 +144,54 @@ def test_two_stages_follow_one_process():
             _check({**rank[name], "weights": merged}, optimizer, name)
 
 
+# Two stages on each rank (4 stages of one block: rank 0 runs 0 and 2, rank 1 runs 1 and 3), 4 microbatches.
+INTERLEAVED = {
+    "pp2 x 2 interleaved_1f1b, stage 3, sgd": ("sgd", dict(stage=3, pipeline_schedule="interleaved_1f1b")),
+    "pp2 x 2 zero_bubble, stage 3, sgd": ("sgd", dict(stage=3, pipeline_schedule="zero_bubble")),
+    "pp2 x 2 zero_bubble, stage 0, adamw": ("adamw", dict(stage=0, pipeline_schedule="zero_bubble")),
+}
+
+
+def _interleaved_matrix() -> dict[str, dict[str, Any]]:
+    results = {}
+    for name, (optimizer, flags) in INTERLEAVED.items():
+        validate = "interleaved_1f1b" in name
+        results[name] = _fit(
+            optimizer, 2, validate, n_layers=4, pipeline_parallel_size=2, microbatches=4, **flags
+        )
+    return results
+
+
+def test_two_stages_on_each_rank_follow_one_process():
+    ranks = run_ranks(_interleaved_matrix, world_size=2)
+    for name, (optimizer, _) in INTERLEAVED.items():
+        merged = {**ranks[0][name]["weights"], **ranks[1][name]["weights"]}
+        assert any(".blocks.2." in key for key in ranks[0][name]["weights"])  # rank 0 holds stages 0 and 2
+        assert any(".blocks.3." in key for key in ranks[1][name]["weights"])
+        for rank in ranks:
+            _check({**rank[name], "weights": merged}, optimizer, name, n_layers=4)
+
+
 def _pp2_dp2(flags: dict[str, Any]) -> dict[str, Any]:
-    return _fit("sgd", 4, False, pipeline_parallel_size=2, microbatches=2, **flags)
+    return _fit("sgd", 4, False, pipeline_parallel_size=2, microbatches=2, **flags)  # n_layers in flags
 
 
-@pytest.mark.parametrize("flags", [dict(stage=3), dict(stage=3, replicate_size=2)], ids=["zero3", "hsdp"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(stage=3),
+        dict(stage=3, replicate_size=2),
+        dict(stage=3, pipeline_schedule="zero_bubble", n_layers=4),  # 2 stages per rank
+    ],
+    ids=["zero3", "hsdp", "zero3 zero_bubble"],
+)
 def test_two_stages_by_two_data_parallel_ranks_follow_one_process(flags):
     ranks = run_ranks(_pp2_dp2, flags, world_size=4)
     # ranks 0-1 hold stage 0 (sharded over both, or replicated: HSDP), ranks 2-3 stage 1
     merged = {**ranks[0]["weights"], **ranks[2]["weights"]}
     assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
     for rank in ranks:
-        _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}")
+        _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}", n_layers=flags.get("n_layers", 2))
 
 
 def _pp2_tp2() -> dict[str, Any]:

@@ -11,6 +11,7 @@ from lightning_shard.pipeline.schedules import (
     PipelineScheduleName,
     check_pipeline_flags,
     schedule_class,
+    stages_of_rank,
 )
 from lightning_shard.pipeline.split import StagePlan, keep_stage, plan_stages
 
@@ -23,4 +24,5 @@ __all__ = [
     "keep_stage",
     "plan_stages",
     "schedule_class",
+    "stages_of_rank",
 ]

@@ -4,8 +4,10 @@
 (:mod:`torch.distributed.pipelining.schedules`). With ``p`` stages and ``m`` microbatches, GPipe and 1F1B
 leave every rank idle for a fraction ``(p - 1) / (m + p - 1)`` of a step (the bubble: the first stage waits
 for ``p - 1`` microbatch times at the end, the last at the start); 1F1B holds at most ``p`` microbatches'
-activations where GPipe holds all ``m``. The interleaved schedules put ``v`` stages on each rank and cut
-the bubble to ``(p - 1) / (v m + p - 1)``; they need the model cut into ``p x v`` stages.
+activations where GPipe holds all ``m``. The interleaved schedules put ``v`` stages on each rank (rank
+``r`` runs stages ``r, r + p, ..., r + (v - 1) p``: the model is cut into ``p x v`` stages) and cut the
+bubble to ``(p - 1) / (v m + p - 1)``; zero bubble also splits each backward into the input gradient, which
+the previous stage waits for, and the weight gradient, which fills the idle time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from typing import Any, Literal
 PipelineScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+#: Schedules that compute a stage's input gradients and its weight gradients in separate steps.
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble",)
+#: Stages per rank of the interleaved schedules when ``stages_per_rank`` is not given.
+INTERLEAVED_STAGES_PER_RANK = 2
 #: Microbatches per stage when ``microbatches`` is not given: ``m = 2p`` keeps the GPipe / 1F1B bubble
 #: ``(p - 1) / (m + p - 1)`` under a third while each microbatch stays large enough to keep a device busy.
 MICROBATCHES_PER_STAGE = 2
@@ -22,10 +28,26 @@ MICROBATCHES_PER_STAGE = 2
 
 def schedule_class(name: str) -> type[Any]:
     """The torch schedule class for ``name``."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    classes: dict[str, type[Any]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    classes: dict[str, type[Any]] = {
+        "1f1b": Schedule1F1B,
+        "gpipe": ScheduleGPipe,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zero_bubble": ScheduleInterleavedZeroBubble,
+    }
     return classes[name]
+
+
+def stages_of_rank(rank: int, size: int, stages_per_rank: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` of ``size`` runs: ``rank, rank + size, ...`` (the interleaved schedules'
+    looped placement; one stage per rank otherwise)."""
+    return tuple(rank + k * size for k in range(stages_per_rank))
 
 
 def check_pipeline_flags(
@@ -46,32 +68,50 @@ def check_pipeline_flags(
             f"ShardStrategy(pipeline_parallel_size={size!r}) must be an integer >= 1 (1: off): the number of"
             " pipeline stages the model is cut into."
         )
-    stages_per_rank = _check_schedule(schedule, stages_per_rank)
+    stages_per_rank = _check_schedule(schedule, stages_per_rank, size)
     microbatches = _check_microbatches(size, microbatches, split_points)
+    _check_rounds(schedule, size, microbatches)
     _check_combinations(size, engine, stage, checkpoint)
-    return microbatches, stages_per_rank, _check_split_points(split_points, size)
+    return microbatches, stages_per_rank, _check_split_points(split_points, size * stages_per_rank)
 
 
-def _check_schedule(schedule: Any, stages_per_rank: Any) -> int:
+def _check_schedule(schedule: Any, stages_per_rank: Any, size: int) -> int:
     if schedule not in SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES:
         raise ValueError(
             f"ShardStrategy(pipeline_schedule={schedule!r}) is unknown. Use '1f1b' (the default), 'gpipe',"
             " 'interleaved_1f1b' or 'zero_bubble'."
         )
-    if schedule in MULTI_STAGE_SCHEDULES:
-        raise ValueError(
-            f"ShardStrategy(pipeline_schedule={schedule!r}) is not available yet: it needs several stages on"
-            " each rank (stages_per_rank > 1), which the stage runner does not build yet. Use '1f1b' or"
-            " 'gpipe'."
-        )
     if stages_per_rank is None:
-        stages_per_rank = 1
-    if stages_per_rank != 1:
+        stages_per_rank = INTERLEAVED_STAGES_PER_RANK if schedule in MULTI_STAGE_SCHEDULES and size > 1 else 1
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(
-            f"ShardStrategy(stages_per_rank={stages_per_rank!r}) needs an interleaved schedule, which is not"
-            f" available yet; pipeline_schedule={schedule!r} runs one stage per rank. Drop stages_per_rank."
+            f"ShardStrategy(stages_per_rank={stages_per_rank!r}) must be an integer >= 1: the pipeline stages"
+            " each rank runs (2 or more with pipeline_schedule='interleaved_1f1b' or 'zero_bubble')."
         )
-    return 1
+    if schedule in SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
+        raise ValueError(
+            f"ShardStrategy(pipeline_schedule={schedule!r}, stages_per_rank={stages_per_rank}): this schedule runs"
+            " one stage per rank. Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several, or"
+            " drop stages_per_rank."
+        )
+    if schedule in MULTI_STAGE_SCHEDULES and size > 1 and stages_per_rank < 2:
+        raise ValueError(
+            f"ShardStrategy(pipeline_schedule={schedule!r}, stages_per_rank={stages_per_rank}) interleaves"
+            " several stages on each rank. Use stages_per_rank >= 2 (default 2), or pipeline_schedule='1f1b'."
+        )
+    return stages_per_rank
+
+
+def _check_rounds(schedule: Any, size: int, microbatches: int) -> None:
+    """torch's interleaved schedules run the microbatches in rounds of ``size``: they must fill whole rounds."""
+    rounds = max(1, microbatches // size)
+    if size > 1 and schedule in MULTI_STAGE_SCHEDULES and microbatches % rounds:
+        raise ValueError(
+            f"ShardStrategy(pipeline_schedule={schedule!r}, microbatches={microbatches},"
+            f" pipeline_parallel_size={size}): the interleaved schedules run microbatches in rounds of"
+            f" {size}, so microbatches must be a multiple of {rounds} (microbatches // {size}). Use e.g."
+            f" microbatches={rounds * size}."
+        )
 
 
 def _check_microbatches(size: int, microbatches: Any, split_points: Any) -> int:
@@ -132,14 +172,17 @@ def _check_split_points(points: Any, size: int) -> tuple[str, ...] | None:
     if len(points) != size - 1:
         raise ValueError(
             f"ShardStrategy(pipeline_split_points={list(points)!r}) names {len(points)} split points;"
-            f" pipeline_parallel_size={size} needs {size - 1} (the first block of every stage but the first)."
+            f" {size} stages need {size - 1} (the first block of every stage but the first; with"
+            " stages_per_rank, pipeline_parallel_size x stages_per_rank stages)."
         )
     return points
 
 
 __all__ = [
+    "INTERLEAVED_STAGES_PER_RANK",
     "MICROBATCHES_PER_STAGE",
     "PipelineScheduleName",
     "check_pipeline_flags",
     "schedule_class",
+    "stages_of_rank",
 ]

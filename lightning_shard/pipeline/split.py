@@ -71,8 +71,8 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
     blocks = len(container)
     if blocks < num_stages:
         raise ValueError(
-            f"ShardStrategy(pipeline_parallel_size={num_stages}) needs at least one block per stage, but"
-            f" {name} holds {blocks}. Use pipeline_parallel_size <= {blocks}."
+            f"ShardStrategy(pipeline_parallel_size x stages_per_rank = {num_stages} stages) needs at least one"
+            f" block per stage, but {name} holds {blocks}. Use at most {blocks} stages in all."
         )
     before, after = hf[1:] if hf is not None else _around(model, name)
     if split_points is not None:
@@ -87,17 +87,29 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
     return plan
 
 
-def keep_stage(model: nn.Module, plan: StagePlan, stage: int) -> None:
-    """Prune ``model`` in place to what ``stage`` runs (other stages' modules dropped or set to ``None``)."""
+def keep_stage(model: nn.Module, plan: StagePlan, stage: int | tuple[int, ...]) -> None:
+    """Prune ``model`` in place to what ``stage`` (or the stages of an interleaved rank) runs: other
+    stages' modules are dropped or replaced (:attr:`StagePlan.placeholder`)."""
+    stages = (stage,) if isinstance(stage, int) else stage
     container = model.get_submodule(plan.container)
-    keep = {str(i) for i in plan.blocks_of(stage)}
+    keep = {str(i) for s in stages for i in plan.blocks_of(s)}
     for key in list(container._modules):
         if key not in keep:
             del container._modules[key]
-    dropped = (plan.after if stage < plan.num_stages - 1 else ()) + (plan.before if stage > 0 else ())
+    dropped = (plan.after if plan.num_stages - 1 not in stages else ()) + (
+        plan.before if 0 not in stages else ()
+    )
     for name in dropped:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, nn.Identity() if plan.placeholder == "identity" else None)
+        set_placeholder(model, plan, name)
+
+
+def set_placeholder(model: nn.Module, plan: StagePlan, name: str) -> nn.Module | None:
+    """Put the placeholder for another stage's module ``name`` in its place; returns what was there."""
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent)
+    held = owner._modules.get(attr)
+    setattr(owner, attr, nn.Identity() if plan.placeholder == "identity" else None)
+    return held
 
 
 def hf_pipeline_plan(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
@@ -238,4 +250,4 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-__all__ = ["StagePlan", "hf_pipeline_plan", "keep_stage", "plan_stages"]
+__all__ = ["StagePlan", "hf_pipeline_plan", "keep_stage", "plan_stages", "set_placeholder"]
