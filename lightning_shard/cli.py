@@ -11,7 +11,8 @@ workers; see docs/export.md).
 
 ``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
 stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md); beyond one node,
-with the ``tensor_parallel_size`` / ``replicate_size`` its TP x PP x DP layout implies.
+with the ``tensor_parallel_size`` / ``pipeline_parallel_size`` / ``replicate_size`` its TP x PP x DP
+layout implies.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def _add_plan(sub: Any) -> None:
         "--replicate-size",
         type=_positive_int,
         help="plan for this ShardStrategy(replicate_size=...), HSDP (default: from the layout, else 1)",
+    )
+    run.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        help="plan for this ShardStrategy(pipeline_parallel_size=...) (default: from the layout, else 1)",
     )
     flags = plan.add_argument_group("training")
     flags.add_argument(
@@ -267,7 +273,13 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
     from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count
 
     world, per_node = _world(args)
-    check_sizes(world, args.tensor_parallel_size or 1, args.replicate_size or 1, cli=True)
+    check_sizes(
+        world,
+        args.tensor_parallel_size or 1,
+        args.replicate_size or 1,
+        cli=True,
+        pp=args.pipeline_parallel_size or 1,
+    )
     memory, memory_note = _device_memory(args, per_node)
     if args.params is not None:
         parse_count(args.params, "--params")
@@ -304,6 +316,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "micro_batches": args.micro_batches,
         "tensor_parallel_size": args.tensor_parallel_size,
         "replicate_size": args.replicate_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "_note": memory_note,
     }
 

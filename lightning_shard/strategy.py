@@ -89,9 +89,10 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             ``tensor_parallel_plan`` attribute, or a Hugging Face ``config.base_model_tp_plan``).
         pipeline_parallel_size: cut the model into this many pipeline stages (the outermost mesh dimension:
             ``pp x replicate x shard x tp``); the LightningModule contract is in docs/pipeline.md.
-        pipeline_schedule: ``"1f1b"`` or ``"gpipe"`` (torch's schedules; the interleaved ones come later).
+        pipeline_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"`` (torch's
+            schedules; the last two run several stages on each rank).
         microbatches: pieces each batch is cut into along its first dimension (default 2 x stages).
-        stages_per_rank: stages on each rank (interleaved schedules only; default 1).
+        stages_per_rank: stages on each rank (interleaved schedules only; default 1, and 2 for them).
         pipeline_split_points: the blocks that start stages 2, 3, ... (``["model.blocks.2"]``); default:
             balanced by parameter count.
         **kwargs: Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only
@@ -273,11 +274,12 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
-        self._cut_to_stage()  # pipeline stages: this rank keeps its own before anything wraps it
         if self.activation_checkpointing is not None and self._checkpointed_module is not self._lm:
-            # Once per module: a later Trainer call (validate after fit, fit again) finds it patched.
+            # Once per module: a later Trainer call (validate after fit, fit again) finds it patched. On the
+            # whole model, before a pipeline stage keeps too few blocks to detect their class from.
             apply_activation_checkpointing(self._lm, self.activation_checkpointing)
             self._checkpointed_module = self._lm
+        self._cut_to_stage()  # pipeline stages: this rank keeps its own before anything shards it
         self.precision_plugin.setup_device(self.root_device, None)  # the loss scaler agrees over every rank
         if self.layout.multi_dimensional:
             # Parameters on two meshes ((dp, tp) and dp), or on pipeline stages: one norm over all of them.

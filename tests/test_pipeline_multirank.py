@@ -87,6 +87,7 @@ def _fit(
     dp = world // (pp * tp)
     trainer.fit(model, _loader(world, pp, BATCH // dp, tp))
     out: dict[str, Any] = {"losses": recorder.losses, "weights": full_weights(trainer)}
+    out["stage"] = trainer.strategy.config.stage if world > 1 else None  # as planned for stage="auto"
     if validate:
         loader = _loader(world, pp, BATCH // dp, tp)
         out["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]

@@ -594,7 +594,7 @@ def test_hsdp_when_one_nodes_shard_group_still_fits(capsys):
 def test_small_model_on_one_node_gets_no_mesh_flags(capsys):
     result = plan(1e9, world_size=8, device_memory="80GB", gpus_per_node=8, layout=True)
     # 16 GB of model state + buffers fit one device: stage 0, and TP=1 is the layout's smallest group.
-    assert result.layout.suggested.tp == 1 and result.layout.runnable.tp == 1
+    assert (result.layout.suggested.tp, result.layout.suggested.pp) == (1, 1)
     assert result.strategy_kwargs() == {"stage": 0} and result.strategy == "ShardStrategy(stage=0)"
     code, out, _ = _cli(capsys, "--params", "1e9", "--devices", "8", "--gpu-mem", "80GB", "--layout")
     assert code == 0 and "recommended: ShardStrategy(stage=0)  (" in out
@@ -606,37 +606,53 @@ def test_small_model_on_one_node_gets_no_mesh_flags(capsys):
 HUGE_VOCAB = dict(params=None, layers=2, hidden=1024, vocab=10_000_000, world_size=8, gpus_per_node=1)
 
 
-def test_a_pipeline_only_layout_keeps_a_runnable_line_and_says_why():
+def test_a_pipeline_only_layout_becomes_the_recommended_line():
     result = plan(**HUGE_VOCAB, device_memory="40GB", micro_batch=None, layout=True)
     psi, root, usable = result.model.params, result.model.root_params, 36_000_000_000
     # Without PP, stage 3 still holds 16 psi / 8 of state and gathers the root unit (bf16): over 36 GB.
     assert 16 * psi // 8 + 2 * root > usable
     best = result.layout.suggested
-    assert (best.tp, best.pp) == (1, 2) and best.row.fits and result.layout.runnable is None
-    note = (
-        "The suggested layout TP=1 x PP=2 x DP=4 needs a pipeline-parallel runtime, which ShardStrategy does"
-        " not provide, and no layout without pipeline parallelism fits: the recommended line is the"
-        " data-parallel search's."
-    )
-    assert note in result.notes
-    without_layout = plan(**HUGE_VOCAB, device_memory="40GB", micro_batch=None)
-    assert result.strategy == without_layout.strategy and result.fits
+    assert (best.tp, best.pp, best.micro_batches) == (1, 2, 8) and best.row.fits
+    assert result.fits and result.recommended == best.row
     kwargs = result.strategy_kwargs()
-    assert "tensor_parallel_size" not in kwargs and "pipeline" not in result.strategy
-    ShardStrategy(**kwargs)
+    assert kwargs["pipeline_parallel_size"] == 2 and kwargs["microbatches"] == 8
+    assert "pipeline_parallel_size=2, microbatches=8" in result.strategy
+    assert any(
+        "TP=1 x PP=2 x DP=4, with 2 pipeline stages of 8 microbatches" in note for note in result.notes
+    )
+    # Without stages the search fits only by offloading to host memory; the stages need none.
+    without_layout = plan(**HUGE_VOCAB, device_memory="40GB", micro_batch=None)
+    assert without_layout.recommended.host > 0 and result.recommended.host == 0
+    strategy = ShardStrategy(**kwargs)
+    assert strategy.config.pipeline_parallel_size == 2 and strategy.config.microbatches == 8
 
 
-def test_a_pipeline_layout_falls_back_to_the_best_without_pp():
+def test_a_pipeline_layout_without_recompute_beats_full_recompute():
     result = plan(params=None, layers=4, hidden=4096, vocab=256_000, world_size=8, gpus_per_node=1,
                   device_memory="16GB", seq_len=2048, layout=True)  # fmt: skip
-    best, runnable = result.layout.suggested, result.layout.runnable
+    best = result.layout.suggested
     assert (best.pp, best.row.config.activation_checkpointing) == (2, "none")
-    assert (runnable.tp, runnable.pp) == (1, 1) and runnable.row.config.activation_checkpointing == "full"
-    assert (
-        "The suggested layout TP=1 x PP=2 x DP=4 needs a pipeline-parallel runtime, which ShardStrategy"
-        " does not provide; the recommended line is for TP=1 x PP=1 x DP=8."
-    ) in result.notes
-    assert result.fits and "tensor_parallel_size" not in result.strategy_kwargs()
+    kwargs = result.strategy_kwargs()
+    assert kwargs.get("pipeline_parallel_size") == 2 and "activation_checkpointing" not in kwargs
+    assert result.fits and "tensor_parallel_size" not in kwargs
+    # With the engine fixed to DeepSpeed the layout's pipeline rows are refused (n/a), never suggested.
+    deepspeed = plan(params=None, layers=4, hidden=4096, vocab=256_000, world_size=8, gpus_per_node=1,
+                     device_memory="16GB", seq_len=2048, layout=True, engine="deepspeed")  # fmt: skip
+    assert "pipeline_parallel_size" not in deepspeed.strategy_kwargs()
+    assert all(o.pp == 1 or o.row.unsupported for o in deepspeed.layout.options)
+
+
+def test_stage_auto_with_pipeline_stages_plans_a_stage_of_the_model():
+    tiny = dict(params=None, layers=8, hidden=1024, vocab=32_000, world_size=8, seq_len=1024, micro_batch=2)
+    flat = plan(**tiny, device_memory="80GB")
+    staged = plan(**tiny, device_memory="80GB", pipeline_parallel_size=2, micro_batches=4)
+    # Each stage holds half the model's state; the recommended line keeps the stages
+    assert staged.stages[0].parameters == pytest.approx(flat.stages[0].parameters / 2, rel=1e-6)
+    assert staged.strategy_kwargs() == {"stage": 0, "pipeline_parallel_size": 2, "microbatches": 4}
+    with pytest.raises(
+        PlanInputError, match=r"plan\(pipeline_parallel_size=3\) does not divide world_size 8"
+    ):
+        plan(**tiny, device_memory="80GB", pipeline_parallel_size=3)
 
 
 def test_stage_auto_plans_for_the_strategys_own_mesh():
@@ -800,7 +816,7 @@ JSON_KEYS = {
     "row": {
         "stage", "offload_optimizer", "offload_params", "activation_checkpointing", "strategy", "parameters",
         "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
-        "replicate_size", "tensor_parallel_size",
+        "replicate_size", "tensor_parallel_size", "pipeline_parallel_size", "microbatches",
     },
     "communication": {"bandwidth", "gradient_bytes", "allreduce_seconds", "step_bytes", "step_seconds"},
     "layout": {"gpus_per_node", "options", "suggested"},
@@ -1005,3 +1021,13 @@ def test_layout_never_splits_attention_heads_unevenly():
     )
     assert [o.tp for o in result.layout.options] == [1]
     assert "tensor_parallel_size" not in result.strategy_kwargs()
+
+
+def test_cli_plans_for_fixed_pipeline_stages(capsys):
+    argv = ["--params", "70e9", "--gpus", "16", "--gpu-mem", "80GB", "--micro-batches", "8"]
+    code, out, _ = _cli(capsys, *argv, "--pipeline-parallel-size", "2", "--json")
+    assert code == 0
+    rows = json.loads(out)["stages"]
+    assert all(row["pipeline_parallel_size"] == 2 and row["microbatches"] == 8 for row in rows)
+    code, _, err = _cli(capsys, *argv, "--pipeline-parallel-size", "3")
+    assert code == 2 and "--pipeline-parallel-size 3 does not divide the world size 16" in err

@@ -23,6 +23,15 @@ def gather_rows(trainer: L.Trainer, values: Sequence[float]) -> torch.Tensor:
     return trainer.strategy.all_gather(local).reshape(-1, len(values)).double().cpu()
 
 
+def ranks_per_batch(trainer: L.Trainer) -> int:
+    """How many ranks read each batch: 1 under plain data parallelism; the ranks of a tensor-parallel group
+    and the stages of a pipeline share theirs (world size over the sampler's replicas, as the strategy
+    reports them to Lightning's sampler)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    replicas = int(kwargs.get("num_replicas", trainer.world_size) or trainer.world_size)
+    return max(1, trainer.world_size // max(1, replicas))
+
+
 def check_count(owner: str, flag: str, value: Any, example: int) -> None:
     """Raise unless ``value`` is an int >= 1 (bool is not a count), naming ``owner(flag=value)`` and a fix."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

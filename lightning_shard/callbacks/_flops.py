@@ -83,6 +83,18 @@ def _raw(formula: Callable[..., int]) -> Callable[..., int]:
 CPU_ATTENTION_FLOPS = _cpu_attention_formulas()
 
 
+class _GlobalOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker: every count goes to ``"Global"`` alone."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
 class StepFlopCounter(FlopCounterMode):
     """``FlopCounterMode`` whose total is also split by autograd phase (``by_phase``).
 
@@ -102,6 +114,9 @@ class StepFlopCounter(FlopCounterMode):
         super().__init__(
             display=False, custom_mapping={op: self._tagged(op, f) for op, f in registry.items()}
         )
+        # Only the global total is used: no per-module breakdown, whose tracker hooks every module's
+        # outputs for backward and breaks torch.autograd.grad on leaf inputs (pipeline stages run it).
+        self.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
 
     def _tagged(self, op: Any, formula: Callable[..., int]) -> Callable[..., int]:
         fused_attention_backward = "attention" in str(op) and str(op).endswith("backward")

@@ -68,7 +68,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_shard._batch import batch_shape
-from lightning_shard.callbacks._common import check_count, gather_rows
+from lightning_shard.callbacks._common import check_count, gather_rows, ranks_per_batch
 from lightning_shard.callbacks._flops import FirstStepFlops
 from lightning_shard.callbacks._peaks import ComputeDtype, compute_dtype, probe_cpu_peak, table_peak
 
@@ -246,6 +246,11 @@ class MFUMonitor(Callback):
             self.device_peak or 0.0,
             _peak_memory_bytes(self._device),
         ]
+        # Ranks that share a batch (tensor-parallel groups, pipeline stages) each count a part of its FLOPs
+        # but the whole of its samples and tokens: those are counted once per batch.
+        share = ranks_per_batch(trainer)
+        local[2] /= share
+        local[3] /= share
         rows = gather_rows(trainer, local)
         self.metrics = _window_metrics(rows, len(recs))
         for logger in trainer.loggers:

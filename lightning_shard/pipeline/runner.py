@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_shard.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
 from lightning_shard.pipeline.split import StagePlan, set_placeholder
@@ -91,15 +93,13 @@ class StageRunner:
         loss_fn: LossFn,
         plan: StagePlan | None = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         if len(stages) == 1:
-            self.stages = [PipelineStage(module, stages[0], num_stages, device, group=group)]
+            self.stages = [_Stage(module, stages[0], num_stages, device, group=group)]
             target: Any = self.stages[0]
         else:
             assert plan is not None
             self.stages = [
-                PipelineStage(StageView(module, plan, s), s, num_stages, device, group=group) for s in stages
+                _Stage(StageView(module, plan, s), s, num_stages, device, group=group) for s in stages
             ]
             target = self.stages
         self.microbatches = microbatches
@@ -172,6 +172,20 @@ class StageRunner:
         loss = loss.to(self._device)
         dist.broadcast(loss, src=self._last_rank, group=self._group)
         return loss
+
+
+class _Stage(PipelineStage):
+    """torch's stage, whose first step's shape inference (a forward and backward of one microbatch of
+    placeholder tensors) runs outside any dispatch mode: a FLOP counter over that step (MFUMonitor's)
+    counts the model's work only."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
 
 @contextmanager

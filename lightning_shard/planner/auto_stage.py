@@ -4,8 +4,8 @@ Picks the lowest stage (then the least recomputation) whose planned per-device b
 device memory with a safety margin, among the stages the strategy accepts with the flags it was
 built with: offload flags stay as the user set them, and the engine they chose (fixed when the
 strategy was built) keeps its rules (DeepSpeed: no fp16 at stage 0). The mesh is the strategy's
-own (``tensor_parallel_size`` divides the model, ``replicate_size`` > 1 is HSDP: stages 2-3 only,
-state sharded over one shard group). The choice and the table behind it are logged.
+own (``tensor_parallel_size`` and ``pipeline_parallel_size`` divide the model, ``replicate_size`` > 1
+is HSDP: stages 2-3 only, state sharded over one shard group). The choice and the table behind it are logged.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def choose(
     nvme_path: str | None = None,
     tensor_parallel_size: int = 1,
     replicate_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    microbatches: int = 1,
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``.
 
@@ -67,6 +69,10 @@ def choose(
         else available_device_memory(device, local_world_size)
     )
     micro_batch, seq_len = batch_shape(trainer)
+    if micro_batch is not None and pipeline_parallel_size > 1:
+        # A pipeline runs its batch as microbatches; 1F1B keeps about p of them, each through 1/p of
+        # the layers, in flight on its first stage: one microbatch's worth through all of them.
+        micro_batch = -(-micro_batch // microbatches)
     plan = choose_stage(
         module,
         world_size,
@@ -81,6 +87,8 @@ def choose(
         nvme_path=nvme_path,
         tensor_parallel_size=tensor_parallel_size,
         replicate_size=replicate_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        micro_batches=microbatches if pipeline_parallel_size > 1 else None,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -117,6 +125,8 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         nvme_path=config.nvme_path,
         tensor_parallel_size=config.tensor_parallel_size,
         replicate_size=config.replicate_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        microbatches=config.microbatches,
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointing.from_flag(chosen_policy)

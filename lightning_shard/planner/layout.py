@@ -111,8 +111,6 @@ class Layout:
     options: tuple[LayoutOption, ...]
     """The best option for each tensor-parallel size."""
     suggested: LayoutOption | None
-    runnable: LayoutOption | None = None
-    """The best option without pipeline parallelism (PP = 1) that fits: what ``ShardStrategy`` can run."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,13 +128,12 @@ def suggest_layout(
     """Search t x p x d = world size (t a power of two within a node) for the layout described above.
 
     ``judge`` marks the rows the strategy refuses (see :mod:`.accepted`; each row carries its
-    ``tensor_parallel_size``), so none is suggested. ``Layout.runnable`` is the best fitting option
-    with p = 1, the one :mod:`.mesh` turns into ``ShardStrategy`` flags.
+    ``tensor_parallel_size``, ``pipeline_parallel_size`` and ``microbatches``), so none is suggested;
+    :mod:`.mesh` turns the suggestion into ``ShardStrategy`` flags.
     """
     world, layers = s.world_size, max(1, s.shape.layers)
     modes = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     per_tp: list[LayoutOption] = []
-    without_pp: list[LayoutOption] = []
     tp = 1
     heads = s.shape.heads or 1
     while tp <= min(gpus_per_node, heads) and world % tp == 0:
@@ -148,14 +145,19 @@ def suggest_layout(
             m = micro_batches or 4 * pp
             for stage in (0, 1, 2, 3):
                 for mode in modes:
-                    config = Config(stage, activation_checkpointing=mode, tensor_parallel_size=tp)  # type: ignore[arg-type]
+                    config = Config(
+                        stage,
+                        activation_checkpointing=mode,  # type: ignore[arg-type]
+                        tensor_parallel_size=tp,
+                        pipeline_parallel_size=pp,
+                        microbatches=m if pp > 1 else None,
+                    )
                     row = judge(breakdown(setting, config))
                     comm = communication(setting, stage, bandwidth)
                     options.append(
                         LayoutOption(tp, pp, setting.world_size, row, m, pipeline_bubble(pp, m), comm)
                     )
         fitting = [o for o in options if o.row.fits]
-        without_pp += [o for o in fitting if o.pp == 1]
         runnable = [o for o in options if o.row.unsupported is None] or options
         per_tp.append(
             min(fitting, key=LayoutOption.key) if fitting else min(runnable, key=lambda o: o.row.total)
@@ -166,5 +168,4 @@ def suggest_layout(
         gpus_per_node,
         tuple(per_tp),
         min(fitting, key=LayoutOption.key) if fitting else None,
-        min(without_pp, key=LayoutOption.key) if without_pp else None,
     )

@@ -53,6 +53,10 @@ class Config:
     """HSDP: replicas of the shard group (stages 2-3); 1 shards over every data-parallel rank."""
     tensor_parallel_size: int = 1
     """Ranks of one tensor-parallel group (within a node); 1 is data parallelism alone."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (the outermost mesh dimension); 1 is none."""
+    microbatches: int | None = None
+    """With pipeline stages: the pieces each batch is cut into (None: the strategy's default)."""
 
     @property
     def offloads(self) -> int:
@@ -80,9 +84,11 @@ class Config:
         kwargs: dict[str, Any] = {"stage": self.stage}
         if engine != "auto":
             kwargs["engine"] = engine
-        for size in ("replicate_size", "tensor_parallel_size"):
+        for size in ("replicate_size", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, size) != 1:
                 kwargs[size] = getattr(self, size)
+        if self.pipeline_parallel_size > 1 and self.microbatches is not None:
+            kwargs["microbatches"] = self.microbatches
         for flag in ("offload_optimizer", "offload_params", "activation_checkpointing"):
             if getattr(self, flag) != "none":
                 kwargs[flag] = getattr(self, flag)
@@ -240,6 +246,8 @@ def candidates(
     checkpointing: Checkpointing | Literal["auto"],
     replicate_size: int = 1,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    microbatches: int | None = None,
 ) -> list[Config]:
     """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path).
 
@@ -251,7 +259,9 @@ def candidates(
     param_choices: tuple[Offload, ...] = ("none", "cpu") if offload_params == "auto" else (offload_params,)
     ckpt_choices: tuple[Checkpointing, ...] = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     return [
-        Config(stage, opt, par, ckpt, replicate_size, tensor_parallel_size)
+        Config(
+            stage, opt, par, ckpt, replicate_size, tensor_parallel_size, pipeline_parallel_size, microbatches
+        )
         for stage in stages
         for opt in opt_choices
         for par in param_choices

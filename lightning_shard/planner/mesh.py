@@ -1,13 +1,14 @@
-"""From the layout to ``ShardStrategy``'s mesh flags: ``tensor_parallel_size`` and ``replicate_size``.
+"""From the layout to ``ShardStrategy``'s mesh flags: ``tensor_parallel_size``, ``pipeline_parallel_size``
+(with ``microbatches``) and ``replicate_size``.
 
-``ShardStrategy`` lays its W ranks out as ``replicate x shard x tp``: tensor-parallel groups innermost
-(consecutive ranks, within a node), then the shard groups, then the replicas. Pipeline parallelism is
-not one of its flags. When the plan has a layout (``layout=True``, or the CLI beyond one node):
+``ShardStrategy`` lays its W ranks out as ``pp x replicate x shard x tp``: tensor-parallel groups
+innermost (consecutive ranks, within a node), then the shard groups, then the replicas, then the
+pipeline stages. When the plan has a layout (``layout=True``, or the CLI beyond one node):
 
-* TP: the line follows the layout's best option without pipeline parallelism (``Layout.runnable``).
-  If it has TP = t > 1, the recommended row is that option's, computed with t (parameters divided by
-  t, activations by t) and ``tensor_parallel_size=t``; with t = 1 the data-parallel search's row stays
-  (it also weighs offloads). A suggested layout with PP > 1 gets a note: it needs a pipeline runtime.
+* TP and PP: the line follows the layout's suggestion. If it has TP = t > 1 or PP = p > 1, the
+  recommended row is that option's, computed with t and p (parameters divided by t x p, activations by
+  t) and ``tensor_parallel_size=t``, ``pipeline_parallel_size=p``, ``microbatches=m``; with t = p = 1
+  the data-parallel search's row stays (it also weighs offloads).
 * HSDP: at stages 2-3, when the data-parallel ranks (W / t) span more than one node, shard within a
   node and replicate across nodes: shard groups of S = gpus_per_node / t ranks and
   ``replicate_size = (W / t) / S``. Sharded state then divides by S instead of W / t, so the same
@@ -29,21 +30,32 @@ from lightning_shard.planner.memory import Breakdown, Setting, breakdown
 from lightning_shard.units import PlanInputError, format_bytes
 
 
-def check_sizes(world_size: int, tensor_parallel_size: int, replicate_size: int, cli: bool = False) -> None:
-    """Both sizes must divide the world (the strategy's rule), named as ``plan(...)`` or the CLI takes them."""
+def check_sizes(
+    world_size: int, tensor_parallel_size: int, replicate_size: int, cli: bool = False, pp: int = 1
+) -> None:
+    """The sizes must divide the world (the strategy's rule), named as ``plan(...)`` or the CLI takes them."""
     from lightning_shard.parallel.mesh import check_world
 
     def flag(name: str, value: int) -> str:
         return f"--{name.replace('_', '-')} {value}" if cli else f"plan({name}={value})"
 
     world = "the world size" if cli else "world_size"
-    check_world(world_size, replicate_size, tensor_parallel_size, flag, world, PlanInputError)
+    if world_size % pp:
+        raise PlanInputError(
+            f"{flag('pipeline_parallel_size', pp)} does not divide {world} {world_size}. Use a"
+            f" pipeline_parallel_size that divides {world_size}."
+        )
+    check_world(world_size // pp, replicate_size, tensor_parallel_size, flag, world, PlanInputError)
 
 
-def fixed_setting(s: Setting, tensor_parallel_size: int, replicate_size: int) -> Setting:
-    """``s`` (world_size = W) for a mesh of fixed sizes: TP divides the model, the shard group the state."""
+def fixed_setting(s: Setting, tensor_parallel_size: int, replicate_size: int, pp: int = 1) -> Setting:
+    """``s`` (world_size = W) for a mesh of fixed sizes: TP and the pipeline stages divide the model, the
+    shard group the state."""
     return replace(
-        s, world_size=s.world_size // (tensor_parallel_size * replicate_size), tp=tensor_parallel_size
+        s,
+        world_size=s.world_size // (tensor_parallel_size * replicate_size * pp),
+        tp=tensor_parallel_size,
+        pp=pp,
     )
 
 
@@ -54,28 +66,21 @@ def _layout_name(option: LayoutOption) -> str:
 def with_layout(
     row: Breakdown | None, setting: Setting, layout: Layout
 ) -> tuple[Breakdown | None, Setting, list[str]]:
-    """The recommended row and its setting after the layout: its TP option if it has one (see above)."""
-    notes = []
-    suggested, runnable = layout.suggested, layout.runnable
-    if suggested is not None and suggested.pp > 1:
-        needs = (
-            f"The suggested layout {_layout_name(suggested)} needs a pipeline-parallel runtime, which"
-            " ShardStrategy does not provide"
+    """The recommended row and its setting after the layout: its TP / PP option if it has one (see above)."""
+    option = layout.suggested
+    if option is None or (option.tp == 1 and option.pp == 1):
+        return row, setting, []
+    parts = [f"{option.tp}-way tensor parallelism within a node"] if option.tp > 1 else []
+    if option.pp > 1:
+        parts.append(
+            f"{option.pp} pipeline stages of {option.micro_batches} microbatches each step (bubble"
+            f" {option.bubble:.0%})"
         )
-        if runnable is None:
-            notes.append(
-                f"{needs}, and no layout without pipeline parallelism fits: the recommended line is the"
-                " data-parallel search's."
-            )
-        else:
-            notes.append(f"{needs}; the recommended line is for {_layout_name(runnable)}.")
-    if runnable is None or runnable.tp == 1:
-        return row, setting, notes
-    notes.append(
-        f"The table is for data parallelism alone (TP=1); the recommended line is the layout's"
-        f" {_layout_name(runnable)}, with {runnable.tp}-way tensor parallelism within a node."
+    note = (
+        f"The table is for data parallelism alone (TP=1, PP=1); the recommended line is the layout's"
+        f" {_layout_name(option)}, with {' and '.join(parts)}."
     )
-    return runnable.row, replace(setting, world_size=runnable.dp, tp=runnable.tp, pp=1), notes
+    return option.row, replace(setting, world_size=option.dp, tp=option.tp, pp=option.pp), [note]
 
 
 def with_hsdp(

@@ -72,7 +72,14 @@ def _shape(
 def _validate(args: dict[str, Any]) -> None:
     for name in ("world_size", "gpus_per_node"):
         _positive(name, args[name])
-    for name in ("micro_batch", "seq_len", "micro_batches", "tensor_parallel_size", "replicate_size"):
+    for name in (
+        "micro_batch",
+        "seq_len",
+        "micro_batches",
+        "tensor_parallel_size",
+        "replicate_size",
+        "pipeline_parallel_size",
+    ):
         _positive(name, args[name], allow_none=True)
     _check_choice("precision", args["precision"], tuple(PRECISION_BYTES))
     _check_choice("optimizer", args["optimizer"], tuple(OPTIMIZER_STATES))
@@ -127,6 +134,7 @@ def plan(
     nvme_path: str | None = None,
     tensor_parallel_size: int | None = None,
     replicate_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -136,9 +144,11 @@ def plan(
     embeddings), else 2048; ``micro_batch=None`` plans model state only. ``"auto"`` flags are searched,
     fixed ones kept; a fixed ``stage`` limits the recommendation, not the table. ``layout=True`` adds the
     TP x PP x DP suggestion for ``world_size`` devices of ``gpus_per_node`` each, and the recommended
-    line then carries the mesh flags it implies (``tensor_parallel_size``, ``replicate_size`` for HSDP;
-    see :mod:`.mesh`). Giving ``tensor_parallel_size`` or ``replicate_size`` fixes the mesh instead
-    (the other defaults to 1): every row is planned for it, and ``replicate_size > 1`` limits the
+    line then carries the mesh flags it implies (``tensor_parallel_size``, ``pipeline_parallel_size``
+    with ``microbatches``, ``replicate_size`` for HSDP; see :mod:`.mesh`). Giving
+    ``tensor_parallel_size``, ``pipeline_parallel_size`` or ``replicate_size`` fixes the mesh instead
+    (the others default to 1): every row is planned for it (with pipeline stages, ``micro_batch`` is one
+    microbatch of the ``micro_batches`` a batch is cut into), and ``replicate_size > 1`` limits the
     recommendation to stages 2-3.
 
     Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
@@ -146,19 +156,28 @@ def plan(
     ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
     """
     _validate(locals())
-    fixed_mesh = tensor_parallel_size is not None or replicate_size is not None
-    tp, replicas = tensor_parallel_size or 1, replicate_size or 1
-    mesh.check_sizes(world_size, tp, replicas)
+    fixed_mesh = any(
+        size is not None for size in (tensor_parallel_size, replicate_size, pipeline_parallel_size)
+    )
+    tp, replicas, pp = tensor_parallel_size or 1, replicate_size or 1, pipeline_parallel_size or 1
+    mesh.check_sizes(world_size, tp, replicas, pp=pp)
     memory = parse_size(device_memory, "device_memory")
     dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "ffn": ffn}
     shape = _shape(module, model, init_args, params, dims)
     seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
     usable = int(memory * (1 - margin))
     full = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
-    setting = mesh.fixed_setting(full, tp, replicas)
+    setting = mesh.fixed_setting(full, tp, replicas, pp)
     check = StrategyCheck(engine, nvme_path, precision)
     configs = candidates(
-        (0, 1, 2, 3), offload_optimizer, offload_params, activation_checkpointing, replicas, tp
+        (0, 1, 2, 3),
+        offload_optimizer,
+        offload_params,
+        activation_checkpointing,
+        replicas,
+        tp,
+        pp,
+        micro_batches,
     )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
     # With replicate_size > 1 the strategy refuses stages 0-1 (their rows read n/a): never recommended.
@@ -204,20 +223,20 @@ def plan(
 def _mesh(
     row: Breakdown | None, setting: Setting, grid: Layout, fixed: dict[str, Any], check: StrategyCheck
 ) -> tuple[Breakdown | None, Setting, list[str]]:
-    """The recommendation with the mesh flags the layout implies: TP, then HSDP (see :mod:`.mesh`).
+    """The recommendation with the mesh flags the layout implies: TP and PP, then HSDP (see :mod:`.mesh`).
 
-    The layout's rows search neither the stage nor offloads the user fixed: its TP option is taken only
-    if it keeps them.
+    The layout's rows search neither the stage nor offloads the user fixed: its TP / PP option is taken
+    only if it keeps them.
     """
     notes: list[str] = []
-    option = grid.runnable
+    option = grid.suggested
     config = option.row.config if option is not None else None
     changed = [k for k, v in fixed.items() if config is not None and v != "auto" and getattr(config, k) != v]
     if not changed:
         row, setting, notes = mesh.with_layout(row, setting, grid)
-    elif option is not None and option.tp > 1:
+    elif option is not None and (option.tp > 1 or option.pp > 1):
         notes.append(
-            f"The layout's TP={option.tp} option is {option.row.strategy_line}, which changes the"
+            f"The layout's TP={option.tp} x PP={option.pp} option is {option.row.strategy_line}, which changes the"
             f" {' and '.join(changed)} you fixed: the recommended line stays data-parallel."
         )
     if row is not None:
@@ -288,6 +307,8 @@ def choose_stage(
     nvme_path: str | None = None,
     tensor_parallel_size: int = 1,
     replicate_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    micro_batches: int | None = None,
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
@@ -295,7 +316,8 @@ def choose_stage(
     per-device total fits ``(1 - margin) x device_memory``. Flags the user fixed on the strategy are
     passed as fixed values (``engine`` already resolved, ``nvme_path``), so the stage chosen is one
     the strategy accepts; ``"auto"`` ones are searched. The mesh sizes are the strategy's own, kept
-    fixed: each rank holds 1 / ``tensor_parallel_size`` of the model, and with ``replicate_size > 1``
+    fixed: each rank holds 1 / (``tensor_parallel_size`` x ``pipeline_parallel_size``) of the model
+    (``micro_batch`` is then one of the pipeline's ``micro_batches``), and with ``replicate_size > 1``
     (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed. If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
@@ -316,4 +338,6 @@ def choose_stage(
         nvme_path=nvme_path,
         tensor_parallel_size=tensor_parallel_size,
         replicate_size=replicate_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        micro_batches=micro_batches,
     )
