@@ -142,6 +142,27 @@ class EngineSteps(ProcessGroupStrategy):
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     @property
+    def recompiles(self) -> int:
+        """``compile=...``: blocks dynamo compiled again after their first graph, since set-up, on this rank."""
+        from lightning_shard.compile import recompiles
+
+        baseline = getattr(self._engine, "compile_baseline", None)
+        return 0 if baseline is None else recompiles() - baseline
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.recompiles:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"ShardStrategy(compile=...): torch.compile recompiled the blocks {self.recompiles} time(s) after"
+                " their first graph. Something they depend on changes between steps (a shape: pad batches to"
+                " one length or pass compile={'dynamic': True}; a Python value read in forward). Run with"
+                " TORCH_LOGS=recompiles to see the guard."
+            )
+
+    @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far because of non-finite values (``skip_nonfinite=True``)."""
         return self._guard.total if self._guard is not None else 0

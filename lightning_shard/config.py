@@ -54,6 +54,8 @@ class ShardConfig:
     """Module-name pattern -> style; None: the plan the model carries."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""
+    compile: dict[str, Any] | None = None
+    """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages the model is cut into (the outermost mesh dimension, ``pp``)."""
     pipeline_schedule: str = "1f1b"
@@ -91,6 +93,7 @@ class ShardConfig:
         microbatches: Any = None,
         stages_per_rank: Any = None,
         pipeline_split_points: Any = None,
+        compile: Any = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -131,6 +134,9 @@ class ShardConfig:
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
+        from lightning_shard.compile import check_compile
+
+        compile_kwargs = check_compile(compile, engine_name)
         from lightning_shard.pipeline.schedules import check_pipeline_flags
 
         microbatches, stages_per_rank, split_points = check_pipeline_flags(
@@ -169,6 +175,7 @@ class ShardConfig:
             microbatches=microbatches,
             stages_per_rank=stages_per_rank,
             pipeline_split_points=split_points,
+            compile=compile_kwargs,
         )
 
     def replace(self, **changes: Any) -> ShardConfig:

@@ -95,6 +95,8 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         stages_per_rank: stages on each rank (interleaved schedules only; default 1, and 2 for them).
         pipeline_split_points: the blocks that start stages 2, 3, ... (``["model.blocks.2"]``); default:
             balanced by parameter count.
+        compile: ``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor
+            parallelism and activation checkpointing, before FSDP2 shards it (:mod:`lightning_shard.compile`).
         **kwargs: Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, any other
             ``DistributedDataParallel`` argument, ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``).
@@ -132,6 +134,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         microbatches: int | None = None,
         stages_per_rank: int | None = None,
         pipeline_split_points: list[str] | None = None,
+        compile: bool | dict[str, Any] = False,
         **kwargs: Any,
     ) -> None:
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
@@ -161,6 +164,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             microbatches=microbatches,
             stages_per_rank=stages_per_rank,
             pipeline_split_points=pipeline_split_points,
+            compile=compile,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
 
+    compile_baseline: int | None = None
+    """``compile=...``: dynamo's recompile count when the blocks were set up."""
+
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
         # Background checkpoint writes run on a process group of their own, made here on every rank.
@@ -89,6 +92,8 @@ class FSDPEngine(Engine):
             plan = apply_tensor_parallel(module, self.run.tp_mesh, self.config.tensor_parallel_plan)
             setattr(module, _TP_APPLIED, True)
             log.info("ShardStrategy: tensor parallel over %d ranks: %s", self.run.tp_mesh.size(), plan)
+        if self.config.compile is not None:
+            self._compile(module)
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
@@ -101,6 +106,22 @@ class FSDPEngine(Engine):
             module.to(self.run.device)
             wrapped = self._ddp(module)
         return wrapped
+
+    def _compile(self, module: nn.Module) -> None:
+        """Each repeated block compiled after tensor parallelism and checkpointing, before sharding."""
+        from lightning_shard.compile import compile_blocks, recompiles
+
+        classes = self.config.shard_modules or detect_block_classes(module)
+        blocks = find_blocks(module, classes) if classes else []
+        if not blocks:
+            raise ValueError(
+                f"ShardStrategy(compile={self.config.compile or True}) compiles each repeated block, and"
+                f" {type(module).__name__} has none (no nn.ModuleList / nn.Sequential of two or more modules of"
+                " one class). Name the block classes with shard_modules=[...], or compile=False."
+            )
+        if compile_blocks(blocks, self.config.compile or {}):
+            log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), self.config.compile)
+        self.compile_baseline = recompiles()
 
     def _materialize(self, module: nn.Module) -> None:
         run = self.run

@@ -1,0 +1,62 @@
+"""``compile=...`` on 2 CPU ranks: ZeRO-1, ZeRO-3 (inductor), tensor parallelism and pipeline stages follow
+the same run in eager mode, with no recompiles after the first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
+from tests.helpers import LossRecorder, tiny_gpt, trainer_kwargs
+from tests.test_pipeline_multirank import BATCH, _loader, _model
+
+pytestmark = pytest.mark.multirank
+
+CASES = {
+    "zero1": dict(stage=1, compile={"backend": "aot_eager"}),
+    "zero3 inductor": dict(stage=3, compile=True),
+    "zero3 x tp2, selective": dict(
+        stage=3,
+        tensor_parallel_size=2,
+        compile={"backend": "aot_eager"},
+        activation_checkpointing="selective",
+    ),
+    "pp2": dict(stage=3, pipeline_parallel_size=2, microbatches=2, compile={"backend": "aot_eager"}),
+}
+
+
+def _fit(flags: dict[str, Any]) -> dict[str, Any]:
+    torch._dynamo.reset()
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=2, strategy=ShardStrategy(**flags), callbacks=[recorder], **trainer_kwargs(max_steps=3)
+    )
+    pp, tp = flags.get("pipeline_parallel_size", 1), flags.get("tensor_parallel_size", 1)
+    model = _model("sgd", 4) if pp > 1 or tp > 1 else tiny_gpt(n_layers=2)
+    trainer.fit(model, _loader(2, pp, BATCH * pp * tp // 2, tp))
+    return {"losses": recorder.losses, "recompiles": trainer.strategy.recompiles}
+
+
+def _cases() -> dict[str, Any]:
+    out = {}
+    for name, flags in CASES.items():
+        eager = {k: v for k, v in flags.items() if k != "compile"}
+        out[name] = {"eager": _fit(eager), "compiled": _fit(flags)}
+    return out
+
+
+def test_compiled_blocks_follow_eager_on_two_ranks():
+    for rank in run_ranks(_cases, world_size=2):
+        for name, result in rank.items():
+            assert result["compiled"]["recompiles"] == 0, name
+            torch.testing.assert_close(
+                result["compiled"]["losses"],
+                result["eager"]["losses"],
+                rtol=1e-5,
+                atol=0,
+                msg=lambda m, name=name: f"{name}: {m}",
+            )
