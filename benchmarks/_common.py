@@ -42,6 +42,33 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
+def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    """A quiet 2-rank CPU Trainer for ``steps`` steps: no logger, checkpoints, progress bar or summary."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def interleaved(configs: dict[str, Any], rounds: int, run: Any) -> dict[str, list[Any]]:
+    """``run(config)`` for every configuration, ``rounds`` times, in a rotated order each round, so machine
+    noise hits them alike."""
+    names = list(configs)
+    results: dict[str, list[Any]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            results[name].append(run(configs[name]))
+    return results
+
+
 def write_report(report: dict[str, Any], out: str, printed: dict[str, Any] | None = None) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

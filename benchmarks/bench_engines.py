@@ -14,8 +14,7 @@ import resource
 import statistics
 import tempfile
 
-import lightning as L
-from _common import MODEL, StepTimer, token_loader, write_report
+from _common import MODEL, StepTimer, cpu_trainer, interleaved, token_loader, write_report
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule
@@ -42,17 +41,7 @@ def _rss_bytes() -> int:
 
 def _run(kwargs: dict, steps: int) -> dict:
     timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardStrategy(**kwargs),
-        max_steps=steps,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(ShardStrategy(**kwargs), steps, [timer])
     trainer.fit(GPTModule(**MODEL), token_loader(steps))
     return {
         "step_s": statistics.median(timer.times[2:]),
@@ -62,14 +51,7 @@ def _run(kwargs: dict, steps: int) -> dict:
 
 
 def _bench(rounds: int, steps: int, nvme_path: str) -> dict[str, list[dict]]:
-    configs = _configs(nvme_path)
-    names = list(configs)
-    results: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            results[name].append(_run(configs[name], steps))
-    return results
+    return interleaved(_configs(nvme_path), rounds, lambda config: _run(config, steps))
 
 
 def main() -> None:

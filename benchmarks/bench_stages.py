@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import lightning as L
 import torch
-from _common import MODEL, StepTimer, token_loader, write_report
+from _common import MODEL, StepTimer, cpu_trainer, token_loader, write_report
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule
@@ -44,17 +43,7 @@ def _run(name: str, steps: int) -> float:
         )
     else:
         strategy, module = ShardStrategy(stage=int(name[-1])), GPTModule(**MODEL)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, steps, [timer])
     trainer.fit(module, token_loader(steps))
     return statistics.median(timer.times[2:])  # first steps warm up allocators and gloo buffers
 

@@ -54,6 +54,8 @@ class ShardConfig:
     """Module-name pattern -> style; None: the plan the model carries."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""
+    gradient_compression: dict[str, Any] | None = None
+    """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     compile: dict[str, Any] | None = None
     """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
     pipeline_parallel_size: int = 1
@@ -94,6 +96,7 @@ class ShardConfig:
         stages_per_rank: Any = None,
         pipeline_split_points: Any = None,
         compile: Any = None,
+        gradient_compression: Any = None,
     ) -> ShardConfig:
         """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
         from lightning_shard.activation_checkpointing import ActivationCheckpointing
@@ -137,6 +140,16 @@ class ShardConfig:
         from lightning_shard.compile import check_compile
 
         compile_kwargs = check_compile(compile, engine_name)
+        from lightning_shard.compression import check_compression
+
+        compression = check_compression(
+            gradient_compression, stage, engine_name, checkpoint, tensor_parallel_size
+        )
+        if compression is not None and (ddp_kwargs or {}).get("ddp_comm_hook") is not None:
+            raise ValueError(
+                f"ShardStrategy(gradient_compression={gradient_compression!r}) and ddp_comm_hook=... both set how"
+                " gradients are all-reduced. Keep one."
+            )
         from lightning_shard.pipeline.schedules import check_pipeline_flags
 
         microbatches, stages_per_rank, split_points = check_pipeline_flags(
@@ -176,6 +189,7 @@ class ShardConfig:
             stages_per_rank=stages_per_rank,
             pipeline_split_points=split_points,
             compile=compile_kwargs,
+            gradient_compression=compression,
         )
 
     def replace(self, **changes: Any) -> ShardConfig:

@@ -97,6 +97,9 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             balanced by parameter count.
         compile: ``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor
             parallelism and activation checkpointing, before FSDP2 shards it (:mod:`lightning_shard.compile`).
+        gradient_compression: stages 0-1: ``"bf16"``, ``"fp16"``, ``"powersgd"`` or ``{"method": "powersgd",
+            "rank": r, "start_iter": n, ...}``, through DDP's communication hooks
+            (:mod:`lightning_shard.compression`).
         **kwargs: Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, any other
             ``DistributedDataParallel`` argument, ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``).
@@ -135,6 +138,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         stages_per_rank: int | None = None,
         pipeline_split_points: list[str] | None = None,
         compile: bool | dict[str, Any] = False,
+        gradient_compression: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
@@ -165,6 +169,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             stages_per_rank=stages_per_rank,
             pipeline_split_points=pipeline_split_points,
             compile=compile,
+            gradient_compression=gradient_compression,
         )
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)

@@ -50,3 +50,26 @@ def test_bench_pipeline_smoke(tmp_path):
     assert first <= 3 and last == 1.0
     for row in results.values():
         assert 0 <= row["measured_bubble_median_over_ranks"] < 1 and row["formula_bubble"] == 0.2
+
+
+@pytest.mark.multirank
+def test_bench_compile_smoke(tmp_path):
+    out = tmp_path / "compile.json"
+    args = ("--rounds", "1", "--steps", "3", "--stages", "3", "--layers", "2", "--d-model", "64")
+    run = run_benchmark("bench_compile.py", *args, "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["compiled_over_eager"]) == {"stage3", "stage3_selective"}
+    assert all(ratio > 0 for ratio in report["compiled_over_eager"].values())
+    assert set(report["recompiles"].values()) == {0}
+
+
+@pytest.mark.multirank
+def test_bench_compression_smoke(tmp_path):
+    """Bytes are counted: fp16 halves them; PowerSGD sends a small fraction."""
+    out = tmp_path / "compression.json"
+    run = run_benchmark("bench_compression.py", "--rounds", "1", "--steps", "5", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ratio = json.loads(out.read_text())["bytes_over_uncompressed"]
+    assert ratio["none"] == 1.0 and ratio["fp16"] == pytest.approx(0.5, rel=1e-3)
+    assert 0 < ratio["powersgd_rank1"] < ratio["powersgd_rank4"] < 0.5

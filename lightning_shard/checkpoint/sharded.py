@@ -34,6 +34,7 @@ from lightning_shard.checkpoint.layout import (
     read_metadata,
 )
 from lightning_shard.checkpoint.storage import Location, storage_writer
+from lightning_shard.compression import STATE_KEY as COMMUNICATION_KEY
 
 
 def save_sharded(
@@ -84,6 +85,8 @@ def load_sharded_into(
         for i, optimizer in enumerate(optimizers):
             if optimizer_key(i) in target:
                 engine.load_optimizer_state_dict(model, optimizer, target[optimizer_key(i)], full=False)
+        if COMMUNICATION_KEY in target:
+            engine.load_communication_state(target[COMMUNICATION_KEY])
 
     errors.on_every_rank(path, apply)
     return meta
@@ -151,6 +154,10 @@ def _sharded_target(
         errors.check_state(path, saved, stages, MODEL_KEY + ".", "model", strict=True, fix=fix)
     for key in sorted(target.keys() - {MODEL_KEY}):
         errors.check_state(path, saved, wanted, key + ".", f"optimizer ({key})", False, errors.OPTIMIZER_FIX)
+    # Gradient compression's state (PowerSGD): read where the run has some and the checkpoint holds it.
+    communication = getattr(engine, "communication_load_target", lambda metadata: None)(metadata)
+    if communication is not None:
+        target[COMMUNICATION_KEY] = communication
     return meta, target
 
 

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
 
+    compression_state: Any = None
+    """``gradient_compression='powersgd'``: the hook and torch's ``PowerSGDState`` (in sharded checkpoints)."""
     compile_baseline: int | None = None
     """``compile=...``: dynamo's recompile count when the blocks were set up."""
 
@@ -212,7 +214,20 @@ class FSDPEngine(Engine):
         )
         options = dict(self.config.ddp_kwargs)
         reduce_dtype = self.precision.reduce_dtype
-        if reduce_dtype in (torch.bfloat16, torch.float16):
+        compression = self.config.gradient_compression
+        if compression is not None:
+            from lightning_shard.compression import hook_and_state
+
+            wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compression["method"])
+            if reduce_dtype is not None and reduce_dtype != wanted:
+                raise ValueError(
+                    f"ShardStrategy(gradient_compression={compression['method']!r}) and ShardPrecision("
+                    f"reduce_dtype={reduce_dtype}) both set how gradients are all-reduced at stages 0-1. Keep one."
+                )
+            hook, state = hook_and_state(compression, self.mesh.get_group(), module)
+            options["ddp_comm_hook"], options["ddp_comm_state"] = hook, state
+            self.compression_state = (hook, state) if compression["method"] == "powersgd" else None
+        elif reduce_dtype in (torch.bfloat16, torch.float16):
             _ddp.check_comm_hook(options, reduce_dtype)
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -304,6 +319,13 @@ class FSDPEngine(Engine):
         state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[ckpt.optimizer_key(i)] = opt_state
+        if self.compression_state is not None:
+            from lightning_shard import compression
+
+            hook, powersgd = self.compression_state
+            state[compression.STATE_KEY] = compression.state_dict(
+                hook, powersgd, self.run.global_rank, self.run.world_size
+            )
         if self.async_checkpointer is not None and not self.async_checkpointer.closed:
             self.async_checkpointer.save(state, checkpoint, path, self.run.barrier, alias=not exception)
         else:
@@ -321,6 +343,20 @@ class FSDPEngine(Engine):
         if path.is_dir():
             return ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
         return ckpt.load_full_into(self, model, optimizers, path, weights_only)
+
+    def communication_load_target(self, metadata: Any) -> dict[str, torch.Tensor] | None:
+        """Where a sharded checkpoint's PowerSGD state is read to (None: nothing to read)."""
+        from lightning_shard import compression
+
+        if self.compression_state is None:
+            return None
+        return compression.load_target(metadata, self.run.global_rank)
+
+    def load_communication_state(self, saved: dict[str, torch.Tensor]) -> None:
+        from lightning_shard import compression
+
+        hook, powersgd = self.compression_state
+        compression.load_state_dict(hook, powersgd, saved, self.run.global_rank, self.run.world_size)
 
     def remove_checkpoint(self, path: Location) -> None:
         if self.async_checkpointer is not None:

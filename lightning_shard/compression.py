@@ -1,0 +1,264 @@
+"""``ShardStrategy(gradient_compression=...)``: compressed gradient all-reduce at stages 0-1.
+
+Stages 0-1 all-reduce gradients through ``DistributedDataParallel``, whose communication hooks are torch's
+way to compress them (``torch.distributed.algorithms.ddp_comm_hooks``):
+
+* ``"bf16"`` / ``"fp16"``: each bucket is cast before the all-reduce and back after (half the bytes); the
+  same hook ``ShardPrecision(reduce_dtype=...)`` registers.
+* ``"powersgd"`` or ``{"method": "powersgd", "rank": r, ...}``: PowerSGD (Vogels et al., 2019). Each
+  gradient matrix M (n x m) is sent as two rank-r factors P (n x r) and Q (m x r), with error feedback:
+  what the approximation missed on a rank is added to its next gradient. Torch's ``powerSGD_hook``; the
+  dict's other keys are ``PowerSGDState`` arguments (``start_iter`` is ``start_powerSGD_iter``: the
+  steps of plain all-reduce before compression starts, torch's default 1000; ``min_compression_rate``,
+  ``warm_start``, ``orthogonalization_epsilon``, ``random_seed``...).
+
+PowerSGD's state travels in sharded checkpoints (:func:`state_dict` / :func:`load_state_dict`), keyed by
+parameter name (:class:`PowerSGDHook`: DDP's buckets change between a run and its resume): the step count,
+the random generator, the warm-start factors (the same on every rank) and each rank's error feedback
+under its own rank's keys. Resumed on another world size, the error feedback and factors start
+over (a warning says so); the step count and the generator carry on.
+
+At stages 2-3 gradients are reduce-scattered by FSDP2, with no hook: the lever there is the reduce dtype
+(``ShardPrecision(reduce_dtype=torch.bfloat16)``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+#: The key of PowerSGD's state in a sharded checkpoint.
+STATE_KEY = "lightning_shard_powersgd"
+_RENAMED = {"rank": "matrix_approximation_rank", "start_iter": "start_powerSGD_iter"}
+
+
+def _powersgd_arguments() -> set[str]:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    return set(inspect.signature(PowerSGDState.__init__).parameters) - {"self", "process_group"}
+
+
+def check_compression(
+    value: Any, stage: Any, engine: str, checkpoint: str, tensor_parallel_size: int
+) -> dict | None:
+    """``gradient_compression=`` as ``{"method": ..., **options}``, or a ``ValueError`` naming the fix."""
+    if value is None:
+        return None
+    flag = f"ShardStrategy(gradient_compression={value!r})"
+    if isinstance(value, str):
+        value = {"method": value}
+    if not isinstance(value, dict) or value.get("method") not in ("bf16", "fp16", "powersgd"):
+        raise ValueError(
+            f"{flag} must be 'bf16', 'fp16', 'powersgd' or a dict {{'method': 'powersgd', 'rank': 4, ...}}."
+        )
+    method = value["method"]
+    options = {str(_RENAMED.get(k, k)): v for k, v in value.items() if k != "method"}
+    if method != "powersgd" and options:
+        raise ValueError(f"{flag}: {method} takes no options; only 'powersgd' does (rank, start_iter, ...).")
+    unknown = sorted(set(options) - _powersgd_arguments())
+    if unknown:
+        raise ValueError(
+            f"{flag} has {unknown}, which PowerSGDState does not take. Use rank, start_iter or"
+            f" {sorted(_powersgd_arguments())}."
+        )
+    if engine != "fsdp":
+        raise ValueError(
+            f"{flag} compresses DistributedDataParallel's all-reduce, which engine={engine!r} does not run."
+            " DeepSpeed's compressed optimizers (1-bit Adam, 0/1 Adam) need its NCCL/MPI backends and are not"
+            " wired here. Use engine='fsdp' at stage 0 or 1."
+        )
+    if stage not in (0, 1):
+        raise ValueError(
+            f"{flag} applies at stages 0-1 (DDP's all-reduce); at stage={stage!r} FSDP2 reduce-scatters"
+            " gradients with no hook. Use ShardPrecision(reduce_dtype=torch.bfloat16) there, or stage=0 or 1."
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"{flag} needs DistributedDataParallel, and with tensor_parallel_size={tensor_parallel_size} stage"
+            f" {stage} replicates through FSDP2's replicate(), which has no communication hook. Drop one."
+        )
+    if method == "powersgd" and checkpoint == "full":
+        raise ValueError(
+            f"{flag} keeps error feedback on every rank, which checkpoint='full' (rank 0's one file) would"
+            " lose. Use checkpoint='sharded'."
+        )
+    return {"method": method, **options}
+
+
+def hook_and_state(compression: dict[str, Any], group: Any, module: nn.Module) -> tuple[Any, Any]:
+    """The DDP communication hook and its state for ``compression`` (:func:`check_compression`'s result)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    method = compression["method"]
+    if method == "bf16":
+        return default_hooks.bf16_compress_hook, group
+    if method == "fp16":
+        return default_hooks.fp16_compress_hook, group
+    options = {k: v for k, v in compression.items() if k != "method"}
+    state = powerSGD_hook.PowerSGDState(process_group=group, **options)
+    return PowerSGDHook(module), state
+
+
+Layout = list[tuple[str, torch.Size]]
+
+
+class PowerSGDHook:
+    """torch's ``powerSGD_hook`` whose per-bucket state also survives a new bucket layout.
+
+    PowerSGD keys its error feedback and warm-start factors by bucket index, as flat tensors in the
+    bucket's parameter order; DDP builds new buckets after its first iteration (in the order gradients
+    became ready) and a resumed run starts from the first layout again. Whenever a bucket arrives in a
+    layout other than the one its state was made in, every bucket's state is taken apart by parameter
+    name and put together again in the new layout, so the result is the same as if nothing had changed.
+    Checkpoints hold it by parameter name (:meth:`named_state`).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        # Lightning logs a hook by its qualified name; DDP checks its name.
+        self.__name__ = self.__qualname__ = "powerSGD_hook"
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.layouts: dict[int, Layout] = {}  # bucket index -> its parameters, as the state was made
+        self.pending: dict[str, dict[str, Tensor]] = {"error": {}, "p": {}, "q": {}}
+
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+        index = bucket.index()
+        layout = [(self.names[id(p)], p.shape) for p in bucket.parameters()]
+        if index in self.layouts and self.layouts[index] != layout:
+            self.pending = self.named_state(state)
+            for tensors in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                tensors.clear()
+            self.layouts.clear()
+        if index not in self.layouts:
+            self._assemble(state, index, layout, bucket.buffer())
+        self.layouts[index] = layout
+        return powerSGD_hook(state, bucket)
+
+    def named_state(self, state: Any) -> dict[str, dict[str, Tensor]]:
+        """``{"error" | "p" | "q": {parameter name: tensor}}`` of every bucket, plus what waits to be put back."""
+        out = {kind: dict(tensors) for kind, tensors in self.pending.items()}
+        for index, layout in self.layouts.items():
+            if index in state.error_dict:
+                sizes = [shape.numel() for _, shape in layout]
+                for (name, _), piece in zip(layout, state.error_dict[index].split(sizes), strict=True):
+                    out["error"][name] = piece.clone()
+            if index in state.p_memory_dict:
+                for kind, memory in (("p", state.p_memory_dict), ("q", state.q_memory_dict)):
+                    pieces = _factor_sizes(state, layout, kind)
+                    chunks = memory[index].split([size for _, size in pieces])
+                    out[kind].update(
+                        {name: chunk.clone() for (name, _), chunk in zip(pieces, chunks, strict=True)}
+                    )
+        return out
+
+    def _assemble(self, state: Any, index: int, layout: Layout, buffer: Tensor) -> None:
+        names = [name for name, _ in layout]
+        errors = self.pending["error"]
+        if names and all(name in errors for name in names):
+            state.error_dict[index] = torch.cat([errors.pop(name) for name in names]).to(buffer)
+        for kind, memory in (("p", state.p_memory_dict), ("q", state.q_memory_dict)):
+            pieces = _factor_sizes(state, layout, kind)
+            saved = self.pending[kind]
+            if pieces and all(name in saved and saved[name].numel() == size for name, size in pieces):
+                memory[index] = torch.cat([saved.pop(name).reshape(-1) for name, _ in pieces]).to(buffer)
+        if (index in state.p_memory_dict) != (index in state.q_memory_dict):  # warm start needs both
+            state.p_memory_dict.pop(index, None)
+            state.q_memory_dict.pop(index, None)
+
+
+# DDP checks a hook's annotations as objects, not the strings postponed evaluation leaves.
+PowerSGDHook.__call__.__annotations__ = {
+    "state": Any,
+    "bucket": torch.distributed.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _factor_sizes(state: Any, layout: Layout, kind: str) -> list[tuple[str, int]]:
+    """The parameters whose gradients PowerSGD compresses, in the order it lays out their P (or Q) factors
+    (grouped by matrix shape, first seen first), each with its factor's size."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    by_shape: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for name, shape in layout:
+        n = shape[0] if len(shape) else 1
+        m = shape.numel() // n if n else 0
+        rank = min(n, m, state.matrix_approximation_rank)
+        if _should_compress(n, m, rank, state.min_compression_rate)[0]:
+            by_shape.setdefault((n, m), []).append((name, (n if kind == "p" else m) * rank))
+    return [piece for pieces in by_shape.values() for piece in pieces]
+
+
+def state_dict(hook: PowerSGDHook, state: Any, rank: int, world_size: int) -> dict[str, Tensor]:
+    """PowerSGD's state as tensors keyed by parameter name (``weights_only``-safe): the step, the generator
+    and the warm-start factors (the same on every rank), and this rank's error feedback."""
+    _, keys, pos, has_gauss, cached = state.rng.get_state()
+    out: dict[str, Tensor] = {
+        "iter": torch.tensor(state.iter),
+        "world_size": torch.tensor(world_size),
+        "rng_keys": torch.from_numpy(keys.astype("int64")),
+        "rng_rest": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "rng_gauss": torch.tensor(cached, dtype=torch.float64),
+    }
+    named = hook.named_state(state)
+    for kind in ("p", "q"):
+        out.update({f"{kind}.{name}": t for name, t in named[kind].items()})
+    out.update({f"rank{rank}.error.{name}": t for name, t in named["error"].items()})
+    return out
+
+
+def load_target(metadata: Any, rank: int) -> dict[str, Tensor] | None:
+    """Empty tensors to read this rank's PowerSGD state into: the shared entries and this rank's error
+    feedback, shaped as DCP's ``metadata`` records them (None: the checkpoint holds no PowerSGD state)."""
+    prefix = STATE_KEY + "."
+    entries = {
+        fqn[len(prefix) :]: meta
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if fqn.startswith(prefix) and hasattr(meta, "size")
+    }
+    if "iter" not in entries:
+        return None
+    own = f"rank{rank}.error."
+    return {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in entries.items()
+        if not key.startswith("rank") or key.startswith(own)
+    }
+
+
+def load_state_dict(
+    hook: PowerSGDHook, state: Any, saved: dict[str, Tensor], rank: int, world_size: int
+) -> None:
+    """Restore :func:`state_dict`'s tensors (error feedback and factors only on the same world size); they are
+    put into buckets as each bucket next arrives."""
+    import numpy as np
+
+    state.iter = int(saved["iter"])
+    pos, has_gauss = (int(v) for v in saved["rng_rest"])
+    keys = saved["rng_keys"].numpy().astype(np.uint32)
+    state.rng.set_state(("MT19937", keys, pos, has_gauss, float(saved["rng_gauss"])))
+    for tensors in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+        tensors.clear()
+    hook.layouts.clear()
+    hook.pending = {"error": {}, "p": {}, "q": {}}
+    if int(saved["world_size"]) != world_size:
+        log.warning(
+            "ShardStrategy(gradient_compression='powersgd'): the checkpoint was written on %d ranks and resumes"
+            " on %d: PowerSGD's error feedback and warm-start factors start over.",
+            int(saved["world_size"]),
+            world_size,
+        )
+        return
+    own = f"rank{rank}.error."
+    for key, tensor in saved.items():
+        if key.startswith(own):
+            hook.pending["error"][key[len(own) :]] = tensor
+        elif key[:2] in ("p.", "q."):
+            hook.pending[key[0]][key[2:]] = tensor
