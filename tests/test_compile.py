@@ -50,6 +50,22 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank_group_released():
+    """These runs make a one-rank process group in the test process (kept until exit, as under DDP);
+    release it and its address after the module, so later tests start from a process without one."""
+    import os
+
+    import torch.distributed as dist
+
+    made_here = not dist.is_initialized()
+    yield
+    if made_here and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+
+
 @pytest.mark.parametrize(
     "flags",
     [

@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ENGINES
+from tests.helpers import ENGINES, job_env
 
 JOB = Path(__file__).parent / "jobs" / "exit_job.py"
 
 
 def _start(root: Path, *args: str) -> subprocess.Popen:
     cmd = [sys.executable, str(JOB), "--root", str(root), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # as a user starts it: no rank or port variables an in-process test of this session may have set
+    env = {**job_env(), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
