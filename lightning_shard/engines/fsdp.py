@@ -215,28 +215,22 @@ class FSDPEngine(Engine):
         options = dict(self.config.ddp_kwargs)
         reduce_dtype = self.precision.reduce_dtype
         compression = self.config.gradient_compression
+        named = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(reduce_dtype)  # type: ignore[arg-type]
+        if compression is None and named is not None:
+            # ShardPrecision(reduce_dtype=...) at stages 0-1 is the same cast-and-all-reduce hook.
+            _ddp.check_comm_hook(options, reduce_dtype)
+            compression = {"method": named}
+        elif compression is not None and reduce_dtype is not None and named != compression["method"]:
+            raise ValueError(
+                f"ShardStrategy(gradient_compression={compression['method']!r}) and ShardPrecision("
+                f"reduce_dtype={reduce_dtype}) both set how gradients are all-reduced at stages 0-1. Keep one."
+            )
         if compression is not None:
             from lightning_shard.compression import hook_and_state
 
-            wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compression["method"])
-            if reduce_dtype is not None and reduce_dtype != wanted:
-                raise ValueError(
-                    f"ShardStrategy(gradient_compression={compression['method']!r}) and ShardPrecision("
-                    f"reduce_dtype={reduce_dtype}) both set how gradients are all-reduced at stages 0-1. Keep one."
-                )
             hook, state = hook_and_state(compression, self.mesh.get_group(), module)
             options["ddp_comm_hook"], options["ddp_comm_state"] = hook, state
             self.compression_state = (hook, state) if compression["method"] == "powersgd" else None
-        elif reduce_dtype in (torch.bfloat16, torch.float16):
-            _ddp.check_comm_hook(options, reduce_dtype)
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            options["ddp_comm_hook"] = (
-                default_hooks.bf16_compress_hook
-                if reduce_dtype == torch.bfloat16
-                else default_hooks.fp16_compress_hook
-            )
-            options["ddp_comm_state"] = self.mesh.get_group()
         return _ddp.wrap(module, self.mesh.get_group(), device_ids, options)
 
     # --- training --------------------------------------------------------------------------------
