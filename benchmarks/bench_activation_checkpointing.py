@@ -32,10 +32,8 @@ from lightning_shard.demos import GPT
 
 POLICIES: dict[str, Callable[[], ActivationCheckpointing | None]] = {
     "none": lambda: None,
-    "selective": lambda: ActivationCheckpointing(policy="selective"),
-    "selective_every_other_matmul": lambda: ActivationCheckpointing(
-        policy="selective", save_matmuls="every_other"
-    ),
+    "selective": lambda: ActivationCheckpointing(policy="selective"),  # the default: every other matmul
+    "selective_all_matmuls": lambda: ActivationCheckpointing(policy="selective", save_matmuls="all"),
     "full_every_2nd_block": lambda: ActivationCheckpointing(policy="full", every_n=2),
     "full": lambda: ActivationCheckpointing(policy="full"),
     "memory_budget_0.5": lambda: ActivationCheckpointing(policy="selective", memory_budget=0.5),

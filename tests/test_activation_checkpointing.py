@@ -86,6 +86,7 @@ POLICIES = {
     "full": lambda: ActivationCheckpointing(policy="full"),
     "selective": lambda: ActivationCheckpointing(policy="selective"),
     "selective_every_other_matmul": lambda: ActivationCheckpointing(save_matmuls="every_other"),
+    "selective_all_matmuls": lambda: ActivationCheckpointing(save_matmuls="all"),
     "selective_custom_ops": lambda: ActivationCheckpointing(
         save_ops=["aten.addmm.default", torch.ops.aten.bmm.default]
     ),
@@ -540,8 +541,13 @@ def test_measure_flops_of_two_mlp_blocks() -> None:
 def test_measured_bytes_full_below_selective_below_none() -> None:
     model, idx = tiny_gpt(dropout=0.0, seq_len=64, d_model=64), tokens(4, 64)
     none = measure(model, idx)
-    selective = measure(checkpointed_copy(model, "selective"), idx)
+    selective = measure(checkpointed_copy(model, ActivationCheckpointing(save_matmuls="all")), idx)
     every_other = measure(checkpointed_copy(model, ActivationCheckpointing(save_matmuls="every_other")), idx)
+    default = measure(checkpointed_copy(model, "selective"), idx)
+    assert (default.activation_bytes, default.recompute_flops) == (
+        every_other.activation_bytes,
+        every_other.recompute_flops,
+    )
     full = measure(checkpointed_copy(model, "full"), idx)
     assert (
         full.activation_bytes

@@ -73,3 +73,19 @@ def test_bench_compression_smoke(tmp_path):
     ratio = json.loads(out.read_text())["bytes_over_uncompressed"]
     assert ratio["none"] == 1.0 and ratio["fp16"] == pytest.approx(0.5, rel=1e-3)
     assert 0 < ratio["powersgd_rank1"] < ratio["powersgd_rank4"] < 0.5
+
+
+def test_bench_activation_checkpointing_smoke(tmp_path):
+    out = tmp_path / "ac.json"
+    run = run_benchmark(
+        "bench_activation_checkpointing.py",
+        *("--n-layers", "2", "--d-model", "32", "--seq-len", "64", "--batch-size", "2", "--rounds", "1"),
+        *("--policies", "none", "selective", "selective_all_matmuls", "full", "--out", str(out)),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    mb = {name: results[name]["activation_bytes"] for name in results}
+    # The default selective policy stores less than keeping every matmul output, more than full recompute.
+    assert mb["full"] < mb["selective"] < mb["selective_all_matmuls"] < mb["none"]
+    assert results["selective"]["recompute_flops"] > 0 == results["selective_all_matmuls"]["recompute_flops"]
+    assert all(results[name]["step_time_vs_none"] > 0 for name in results)

@@ -51,7 +51,9 @@ class ActivationCheckpointing(Callback):
         save_ops: Ops whose outputs the selective policy keeps, as op overloads or names
             (``"aten.mm.default"``); None is :data:`DEFAULT_SAVE_OPS`.
         save_matmuls: ``"every_other"`` recomputes every second matmul of a block too (half the
-            stored matmul outputs, for half the matmul recompute); ``"all"`` keeps them all.
+            stored matmul outputs, for half the matmul recompute); ``"all"`` keeps them all. None is
+            ``"every_other"`` with ``policy="selective"`` (torchtitan's choice: on the demo GPT 41% of the
+            activation bytes gone at +5% step time, against 29% for ``"all"``).
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class ActivationCheckpointing(Callback):
         every_n: int | None = None,
         memory_budget: float | None = None,
         save_ops: list[str | torch._ops.OpOverload] | None = None,
-        save_matmuls: SaveMatmuls = "all",
+        save_matmuls: SaveMatmuls | None = None,
     ) -> None:
         _validate(policy, every_n, memory_budget, save_ops, save_matmuls)
         self.policy = policy
@@ -70,6 +72,7 @@ class ActivationCheckpointing(Callback):
         self.memory_budget = memory_budget
         self.save_ops = save_ops
         self.save_matmuls = save_matmuls
+        self._save_matmuls: SaveMatmuls = save_matmuls or ("every_other" if policy == "selective" else "all")
         # Resolved now so a bad import path or op name fails at construction, before any process starts.
         self._block_classes = resolve_module_classes(blocks, "ActivationCheckpointing(blocks=...)")
         self._save_op_set = resolve_save_ops(save_ops, "ActivationCheckpointing(save_ops=...)")
@@ -161,12 +164,12 @@ def _validate(policy: Any, every_n: Any, memory_budget: Any, save_ops: Any, save
                 f"ActivationCheckpointing(every_n={every_n}, memory_budget={memory_budget}) both choose which"
                 " blocks to recompute. Give every_n for a fixed pattern or memory_budget for a measured plan."
             )
-    if save_matmuls not in _SAVE_MATMULS:
+    if save_matmuls is not None and save_matmuls not in _SAVE_MATMULS:
         raise ValueError(
             f"ActivationCheckpointing(save_matmuls={save_matmuls!r}) must be 'all' (keep every matmul output)"
             " or 'every_other' (recompute every second matmul)."
         )
-    if policy == "full" and (save_ops is not None or save_matmuls != "all"):
+    if policy == "full" and (save_ops is not None or save_matmuls not in (None, "all")):
         given = f"save_ops={save_ops!r}" if save_ops is not None else f"save_matmuls={save_matmuls!r}"
         raise ValueError(
             f"ActivationCheckpointing(policy='full', {given}): policy='full' saves no op outputs."
@@ -208,7 +211,7 @@ def apply_activation_checkpointing(
             config,
             planner or config.policy,
             config._save_op_set,
-            config.save_matmuls,
+            config._save_matmuls,
         )
         if planner is not None:
             planner.add(wrapper)

@@ -229,8 +229,9 @@ def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: in
         none:      2h·r  (the two layer-norm inputs: the block input and the mid-block residual)
                  + (6h + 2f)·c  (norm outputs h + h, qkv 3h, attention output h, MLP in f and out f)
                  + 4a + 16  (attention log-sum-exp, layer-norm mean/rstd, fp32)
-        selective: h·r  (the checkpoint's input) + (6h + f)·c  (matmul outputs 3h, h, f, h and the
-                   attention output h) + 4a
+        selective: h·r  (the checkpoint's input) + (4h + f)·c  (the outputs of the 1st and 3rd matmuls,
+                   qkv 3h and MLP in f, and the attention output h; the default recomputes every second
+                   matmul) + 4a
         full:      h·r  (only the input)
 
     This is Korthikanti et al.'s 34·s·b·h bytes per layer (16-bit, with dropout masks) without masks
@@ -240,7 +241,7 @@ def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: in
     if mode == "full":
         return h * r
     if mode == "selective":
-        return h * r + (6 * h + f) * c + 4 * a
+        return h * r + (4 * h + f) * c + 4 * a
     return 2 * h * r + (6 * h + 2 * f) * c + 4 * a + 16
 
 
