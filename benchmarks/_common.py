@@ -42,11 +42,46 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
-    """A quiet 2-rank CPU Trainer for ``steps`` steps: no logger, checkpoints, progress bar or summary."""
+class Profile(L.Callback):
+    """torch.profiler over training batches ``start`` .. ``start + steps - 1``: a chrome trace (rank 0) and
+    the ops with the most self CPU time, for finding where a step goes instead of guessing."""
+
+    def __init__(self, trace: str | None, start: int = 3, steps: int = 3, top: int = 15) -> None:
+        self.trace, self.start, self.steps, self.top = trace, start, steps, top
+        self.table: list[dict[str, Any]] = []
+        self._profiler: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.start:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._profiler is None or args[-1] != self.start + self.steps - 1:
+            return
+        self._profiler.__exit__(None, None, None)
+        events = sorted(self._profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        self.table = [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / self.steps,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1000 / self.steps,
+                "cpu_ms_per_step": e.cpu_time_total / 1000 / self.steps,
+            }
+            for e in events[: self.top]
+        ]
+        if self.trace is not None and trainer.is_global_zero:
+            Path(self.trace).parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(self.trace)
+        self._profiler = None
+
+
+def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2) -> L.Trainer:
+    """A quiet CPU Trainer on ``devices`` ranks for ``steps`` steps: no logger, checkpoints, progress bar or
+    summary."""
     return L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         callbacks=callbacks,

@@ -89,3 +89,30 @@ def test_bench_activation_checkpointing_smoke(tmp_path):
     assert mb["full"] < mb["selective"] < mb["selective_all_matmuls"] < mb["none"]
     assert results["selective"]["recompute_flops"] > 0 == results["selective_all_matmuls"]["recompute_flops"]
     assert all(results[name]["step_time_vs_none"] > 0 for name in results)
+
+
+@pytest.mark.multirank
+def test_bench_engines_smoke(tmp_path):
+    out = tmp_path / "engines.json"
+    only = ("--only", "fsdp_stage1", "deepspeed_stage1")
+    run = run_benchmark("bench_engines.py", "--smoke", *only, "--profile", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["median_step_ms"]) == {"fsdp_stage1", "deepspeed_stage1"}
+    assert report["fsdp_over_deepspeed"]["stage1"] > 0
+    # One chrome trace per configuration, and the ops behind the step in the JSON.
+    for name in ("fsdp_stage1", "deepspeed_stage1"):
+        assert json.loads((tmp_path / "traces" / f"{name}.json").read_text())["traceEvents"]
+        assert report["profiles"][name][0]["self_cpu_ms_per_step"] > 0
+
+
+@pytest.mark.multirank
+def test_bench_async_checkpoint_smoke(tmp_path):
+    out = tmp_path / "async.json"
+    args = ("--depth", "1", "--steps", "4", "--every", "2", "--rounds", "1", "--out", str(out))
+    run = run_benchmark("bench_async_checkpoint.py", *args)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["median_run_s"]) == {"none", "sync", "async"}
+    assert report["median_write_cpu_s_per_save"]["async"] > 0
+    assert report["async_saving_run_over_no_save_run"] > 0
