@@ -48,6 +48,10 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
         groups,
         optimizer_class=type(optimizer),
         process_group=process_group,
+        # After each step every rank sends its updated parameters to the others: from one flat bucket
+        # per rank instead of one broadcast per parameter (the profile of a 6-block GPT on gloo: 77
+        # broadcasts and their waits, a quarter of the step, became 2).
+        parameters_as_bucket_view=True,
         **_constructor_defaults(optimizer),
     )
 

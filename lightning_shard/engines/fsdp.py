@@ -40,6 +40,7 @@ from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.engines._units import sharding_units
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
 from lightning_shard.parallel import apply_tensor_parallel
@@ -187,8 +188,9 @@ class FSDPEngine(Engine):
             "mp_policy": self.precision.fsdp_mp_policy(),
             "offload_policy": self._offload_policy(),
         }
-        for block in blocks:
-            fully_shard(block, **kwargs)
+        plain = self.run.tp_mesh is None and self.config.pipeline_parallel_size == 1
+        for unit in sharding_units(blocks, group=self.stage == 2 and plain):
+            fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
         # The root's parameters are needed again as soon as backward starts: resharding them after
         # forward only buys a second all-gather (FSDP2's own default for the root).
         fully_shard(module, **{**kwargs, "reshard_after_forward": False})
