@@ -131,6 +131,62 @@ def test_fabric_loop_matches_the_trainer_strategy_with_sgd(stage):
     _check(run_ranks(_parity_job, stage, "fsdp", SCHEDULES)[0])
 
 
+@pytest.mark.deepspeed
+def test_fabric_loop_matches_the_trainer_strategy_on_the_deepspeed_engine():
+    _check(run_ranks(_parity_job, 3, "deepspeed", [(1, None), (2, None)])[0])
+
+
+def _collectives(fabric: L.Fabric) -> tuple[Any, ...]:
+    rank = fabric.global_rank
+    fabric.barrier()
+    return (
+        fabric.broadcast(f"from rank {rank}"),
+        fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+        fabric.all_gather(torch.tensor(float(rank))).tolist(),
+    )
+
+
+def _features_job() -> dict:
+    """strategy="zero3" by name, bf16-mixed, empty init, separate module / optimizer set-up, clipping and
+    collectives before and after the loop."""
+    fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2, precision="bf16-mixed")
+    fabric.launch()
+    out: dict[str, Any] = {"before": _collectives(fabric), "strategy": type(fabric.strategy).__name__}
+    with fabric.init_module(empty_init=True):
+        model = tiny_gpt()
+    out["built_on_meta"] = all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out["sharded"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    losses, norms = [], []
+    x, y = next(iter(fabric.setup_dataloaders(loader(4), use_distributed_sampler=False)))
+    for _ in range(4):  # one batch, again and again: its loss must fall
+        with fabric.autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        fabric.backward(loss)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach()).item())
+    out.update(losses=losses, norms=norms, logits_dtype=str(logits.dtype), after=_collectives(fabric))
+    return out
+
+
+def test_zero3_by_name_bf16_empty_init_separate_setup_and_collectives_around_the_loop():
+    out = run_ranks(_features_job)
+    for rank, result in enumerate(out):
+        assert result["strategy"] == "ShardFabricStrategy"
+        assert result["built_on_meta"] and result["sharded"]
+        for when in ("before", "after"):
+            assert result[when] == ("from rank 0", 3.0, [0.0, 1.0]), (rank, when)
+        assert result["logits_dtype"] == "torch.float32"  # Fabric's mixed plugin returns float32 outputs
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+        assert result["losses"][-1] < result["losses"][0]
+    # The clipping norm is the whole model's: the same on both ranks, each holding half of every gradient.
+    assert out[0]["norms"] == out[1]["norms"] and out[0]["losses"] == out[1]["losses"]
+
+
 def _validating_gpt() -> L.LightningModule:
     model = _sgd_gpt()
     model.validation_step = lambda batch, batch_idx: None  # type: ignore[method-assign]

@@ -317,7 +317,6 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        model = self._running()
         if isinstance(state, nn.Module):
             state = {"model": state}
         if not isinstance(state, dict) or not state:
@@ -325,6 +324,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
                 f"ShardFabricStrategy loads into the set-up model: got fabric.load(path, state={state!r}). Pass"
                 " state={'model': model, 'optimizer': optimizer, ...}."
             )
+        model = self._running()
         location = follow_alias(resolve(self.broadcast(str(path)), "fabric.load(path)"))
         _, optimizers, others = _checkpoint.split_state(state, model)
         loaded = self.engine.load_checkpoint(
