@@ -82,6 +82,14 @@ def test_fabric_precision_becomes_the_engines_shard_precision(precision):
     assert isinstance(plugin, FabricShardPrecision) and plugin.shard.precision == precision
 
 
+def test_a_shard_precision_plugin_sets_the_reduction_dtype():
+    from lightning_shard import ShardPrecision
+
+    plugin = ShardPrecision("bf16-mixed", reduce_dtype=torch.bfloat16)
+    fabric = L.Fabric(strategy=ShardFabricStrategy(stage=3), accelerator="cpu", devices=2, plugins=[plugin])
+    assert fabric.strategy.precision.shard is plugin
+
+
 def test_an_unsupported_precision_fails_when_fabric_is_built():
     with pytest.raises(ValueError, match="precision='16-true'.*bf16-mixed"):
         L.Fabric(strategy=ShardFabricStrategy(stage=3), accelerator="cpu", devices=2, precision="16-true")

@@ -215,11 +215,12 @@ def _trainer_to_fabric_job(root: str) -> dict:
 
 
 def _fabric_to_trainer_job(root: str) -> dict:
-    """Fabric (stage 3) trains and saves; the Trainer (stage 2) and a fresh Fabric (stage 0) read it."""
-    fabric = _fabric(3)
+    """Fabric (stage 3, async save) trains and saves; the Trainer (stage 2) and a fresh Fabric (stage 0) read it."""
+    fabric = _fabric(3, async_checkpoint=True)
     _, model, optimizer = _fabric_run(fabric, 1, None, steps=2)
     path = Path(root) / "fabric.ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    fabric.strategy.wait_for_checkpoints()  # written in the background; another reader comes next
     saved = full_model_weights(fabric.strategy._model)
     trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=2), **trainer_kwargs(limit_val_batches=1))
     module = _validating_gpt()
@@ -258,3 +259,26 @@ def test_a_fabric_checkpoint_loads_under_the_trainer_and_fabric(tmp_path):
         for key, value in rank["saved"].items():
             torch.testing.assert_close(rank["trainer"][key], value, rtol=0, atol=0, msg=key)
             torch.testing.assert_close(rank["fabric"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_fabric_example_runs_on_two_ranks_and_exits_zero(tmp_path):
+    """examples/fabric_gpt.py as docs/fabric.md and the README show it (fewer steps): Fabric starts rank 1."""
+    import subprocess
+    import sys
+
+    from tests.helpers import job_env
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "fabric_gpt.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--checkpoint", "ckpt/fabric.ckpt"],
+        cwd=tmp_path,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert (tmp_path / "ckpt" / "fabric.ckpt" / "meta.pt").is_file()
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -332,6 +332,11 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
         )
         return _checkpoint.restore_entries(state, others, loaded, strict)
 
+    def wait_for_checkpoints(self) -> None:
+        """Block until every checkpoint ``fabric.save`` started writing (``async_checkpoint=True``) is committed."""
+        if self._engine is not None:
+            self._engine.wait_for_checkpoints()
+
     # --- end of the process ----------------------------------------------------------------------
 
     @override
