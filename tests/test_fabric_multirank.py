@@ -41,10 +41,9 @@ def _sgd_gpt() -> L.LightningModule:
     return model
 
 
-def _fabric(stage: int, engine: str = "fsdp", **flags: Any) -> L.Fabric:
-    fabric = L.Fabric(
-        accelerator="cpu", devices=2, strategy=ShardFabricStrategy(stage=stage, engine=engine, **flags)
-    )
+def _fabric(stage: int, engine: str = "fsdp", precision: str = "32-true", **flags: Any) -> L.Fabric:
+    strategy = ShardFabricStrategy(stage=stage, engine=engine, **flags)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     return fabric
 
@@ -79,12 +78,15 @@ def _fabric_run(
     return losses, model, optimizer
 
 
-def _trainer_losses(stage: int, engine: str, accumulate: int, clip: float | None) -> list[float]:
+def _trainer_losses(
+    stage: int, engine: str, accumulate: int, clip: float | None, precision: str, flags: dict
+) -> list[float]:
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=2,
-        strategy=ShardStrategy(stage=stage, engine=engine),
+        strategy=ShardStrategy(stage=stage, engine=engine, **flags),
         callbacks=[recorder],
+        precision=precision,  # type: ignore[arg-type]
         **trainer_kwargs(
             max_steps=STEPS,
             accumulate_grad_batches=accumulate,
@@ -96,22 +98,22 @@ def _trainer_losses(stage: int, engine: str, accumulate: int, clip: float | None
     return recorder.losses
 
 
-def _parity_job(stage: int, engine: str, schedules: list[tuple[int, float | None]]) -> dict:
-    fabric = _fabric(stage, engine)
-    out = {}
-    for accumulate, clip in schedules:
-        out[accumulate, clip] = (
-            _fabric_losses(fabric, accumulate, clip)
-            if not out
-            else _fresh_fabric_losses(stage, engine, accumulate, clip),
-            _trainer_losses(stage, engine, accumulate, clip),
+def _parity_job(
+    stage: int,
+    engine: str,
+    schedules: list[tuple[int, float | None]],
+    precision: str = "32-true",
+    flags: dict | None = None,
+) -> dict:
+    """Per schedule, a Fabric of its own (one model per Fabric; the same process group) and a Trainer."""
+    flags = flags or {}
+    return {
+        (accumulate, clip): (
+            _fabric_losses(_fabric(stage, engine, precision, **flags), accumulate, clip),
+            _trainer_losses(stage, engine, accumulate, clip, precision, flags),
         )
-    return out
-
-
-def _fresh_fabric_losses(stage: int, engine: str, accumulate: int, clip: float | None) -> list[float]:
-    # One model per Fabric: a second schedule gets a Fabric of its own (same process group).
-    return _fabric_losses(_fabric(stage, engine), accumulate, clip)
+        for accumulate, clip in schedules
+    }
 
 
 def _check(results: dict) -> None:
@@ -129,6 +131,11 @@ def _check(results: dict) -> None:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fabric_loop_matches_the_trainer_strategy_with_sgd(stage):
     _check(run_ranks(_parity_job, stage, "fsdp", SCHEDULES)[0])
+
+
+def test_fabric_loop_matches_the_trainer_at_stage_2_with_bf16_mixed_and_activation_checkpointing():
+    flags = {"activation_checkpointing": "full"}
+    _check(run_ranks(_parity_job, 2, "fsdp", [(1, CLIP)], "bf16-mixed", flags)[0])
 
 
 @pytest.mark.deepspeed
