@@ -176,6 +176,13 @@ def _features_job() -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(loss.detach()).item())
+    fabric.backward(F.cross_entropy(model(x).view(-1, logits.size(-1)), y.reshape(-1)) * float("nan"))
+    try:
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        out["nonfinite"] = "no error"
+    except RuntimeError as error:
+        out["nonfinite"] = str(error)
+    optimizer.zero_grad()
     out.update(losses=losses, norms=norms, logits_dtype=str(logits.dtype), after=_collectives(fabric))
     return out
 
@@ -190,6 +197,9 @@ def test_zero3_by_name_bf16_empty_init_separate_setup_and_collectives_around_the
         assert result["logits_dtype"] == "torch.float32"  # Fabric's mixed plugin returns float32 outputs
         assert all(torch.isfinite(torch.tensor(result["losses"])))
         assert result["losses"][-1] < result["losses"][0]
+        assert (
+            "total norm of the gradients is nan" in result["nonfinite"]
+        )  # on every rank, groups still usable
     # The clipping norm is the whole model's: the same on both ranks, each holding half of every gradient.
     assert out[0]["norms"] == out[1]["norms"] and out[0]["losses"] == out[1]["losses"]
 
