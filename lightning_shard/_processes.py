@@ -58,7 +58,7 @@ _generation = 0
 #: This package made the default group now alive (then it destroys it at exit).
 _world_made = False
 #: Strategies that joined a process group in this process, released at exit in reverse order.
-_LIVE: weakref.WeakValueDictionary[int, ProcessGroupStrategy] = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _joined = itertools.count()
 
 
@@ -137,13 +137,13 @@ def guarded(method: F) -> F:
     """Turn a collective's timeout inside ``method`` into a :class:`CollectiveTimeoutError`."""
 
     @functools.wraps(method)
-    def wrapper(self: ProcessGroupStrategy, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if (self._timed_out or _collective_failed) and _compat.distributed_is_initialized():
             # The groups outlive the failure: a collective on them would wait for the lost rank again,
             # and returning this rank's own value instead would be a silent wrong answer.
             raise CollectiveTimeoutError(
-                f"ShardStrategy.{method.__name__} was not run: an earlier collective on rank {self.global_rank}"
-                f" failed (ShardStrategy(timeout={self._timeout})); see the first error."
+                f"{type(self).__name__}.{method.__name__} was not run: an earlier collective on rank"
+                f" {self.global_rank} failed ({type(self).__name__}(timeout={self._timeout})); see the first error."
             )
         try:
             return method(self, *args, **kwargs)
@@ -155,6 +155,76 @@ def guarded(method: F) -> F:
             raise self._timeout_error(method.__name__, error) from error
 
     return wrapper  # type: ignore[return-value]
+
+
+def own_groups(groups_before: set[Any] | None) -> list[Any]:
+    """The process groups made since ``groups_before`` was taken; all of them when this package made the
+    default group."""
+    groups = _compat.live_process_groups()
+    if _world_made or groups_before is None:
+        return groups
+    return [group for group in groups if group not in groups_before]
+
+
+def apply_timeout(groups_before: set[Any] | None, timeout: timedelta | None) -> None:
+    """Give every group made since ``groups_before`` the ``timeout`` flag's limit.
+
+    Groups made after the default one (DeepSpeed's, the async checkpoint group) would otherwise get
+    torch's default of 30 minutes, so a hung rank would hold the others that long.
+    """
+    if timeout is None:
+        return
+    for group in own_groups(groups_before):
+        setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
+        if setter is not None:
+            setter(timeout)
+
+
+def join_live(strategy: Any, key: int) -> int:
+    """Register ``strategy`` (either front door) to release its groups at exit; returns its key."""
+    if key not in _LIVE:
+        key = next(_joined)
+        _LIVE[key] = strategy
+    return key
+
+
+def world_generation() -> int:
+    """How many times this package has made the default group (a mesh from an older one is stale)."""
+    return _generation
+
+
+def release_groups(
+    live_key: int, groups_before: set[Any] | None, destroy_world: Callable[[], None], joined: bool
+) -> None:
+    """Exit: destroy the groups a strategy made (the default one too, when this package made it)."""
+    global _world_made
+    _LIVE.pop(live_key, None)
+    if not _compat.distributed_is_initialized() or not joined:
+        return
+    if _world_made:
+        destroy_world()
+        _world_made = False
+    else:
+        for group in own_groups(groups_before):
+            dist.destroy_process_group(group)
+
+
+def timeout_error(
+    front_door: str, where: str, rank: int, timeout: timedelta | None, error: BaseException
+) -> CollectiveTimeoutError:
+    """The error for a collective that timed out or lost its peer; every later collective refuses to run."""
+    global _collective_failed
+    _collective_failed = True
+    text = str(error)
+    peer = re.search(r"[Rr]ank \d+|peer \[[^\]]*\]:?\d*", text)
+    reported = f" torch names {peer.group(0)}." if peer else ""
+    return CollectiveTimeoutError(
+        f"Rank {rank} gave up on a collective in {front_door}.{where}: another rank did not join"
+        f" within {front_door}(timeout={timeout}) or has died.{reported} A rank stuck in its"
+        " training_step, a dataloader or I/O holds every other rank; its own log says where it stopped."
+        f" If steps legitimately take longer, raise {front_door}(timeout=...)."
+        f" torch's error: {text.strip()[:500]}"
+    )
 
 
 class ProcessGroupStrategy(ParallelStrategy):
@@ -253,9 +323,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 self._groups_before = set(_compat.live_process_groups())
             self._device_mesh = self.layout.build(self.root_device.type)
             self._mesh_generation = _generation
-        if self._live_key not in _LIVE:
-            self._live_key = next(_joined)
-            _LIVE[self._live_key] = self
+        self._live_key = join_live(self, self._live_key)
         self.apply_timeout()
 
     # --- groups this strategy made: timeouts and release -----------------------------------------
@@ -267,23 +335,11 @@ class ProcessGroupStrategy(ParallelStrategy):
     def _own_groups(self) -> list[Any]:
         """The process groups this strategy (or its engine) made; all of them when this package made the
         default group."""
-        groups = _compat.live_process_groups()
-        if self._owns_world or self._groups_before is None:
-            return groups
-        return [group for group in groups if group not in self._groups_before]
+        return own_groups(self._groups_before)
 
     def apply_timeout(self) -> None:
-        """Give every group this strategy (or its engine) made the ``timeout`` flag's limit.
-
-        Groups made after the default one (DeepSpeed's, the async checkpoint group) would otherwise get
-        torch's default of 30 minutes, so a hung rank would hold the others that long.
-        """
-        if self._timeout is None:
-            return
-        for group in self._own_groups():
-            setter = getattr(group, "set_timeout", None) or getattr(group, "_set_default_timeout", None)
-            if setter is not None:
-                setter(self._timeout)
+        """Give every group this strategy (or its engine) made the ``timeout`` flag's limit."""
+        apply_timeout(self._groups_before, self._timeout)
 
     def _destroy_world(self) -> None:
         """Destroy the default process group and every group made after it."""
@@ -292,31 +348,14 @@ class ProcessGroupStrategy(ParallelStrategy):
     def _release_at_exit(self) -> None:
         """Exit: destroy the groups this strategy made (the default one too, when this package made it).
         No barrier: the other ranks may be gone."""
-        global _world_made
-        _LIVE.pop(self._live_key, None)
-        if not _compat.distributed_is_initialized() or self._device_mesh is None:
-            return
-        if self._owns_world:
-            self._destroy_world()
-            _world_made = False
-        else:
-            for group in self._own_groups():
-                dist.destroy_process_group(group)
+        release_groups(
+            self._live_key, self._groups_before, self._destroy_world, self._device_mesh is not None
+        )
         self._device_mesh = None
 
     def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
-        global _collective_failed
-        self._timed_out = _collective_failed = True
-        text = str(error)
-        peer = re.search(r"[Rr]ank \d+|peer \[[^\]]*\]:?\d*", text)
-        reported = f" torch names {peer.group(0)}." if peer else ""
-        return CollectiveTimeoutError(
-            f"Rank {self.global_rank} gave up on a collective in ShardStrategy.{where}: another rank did not join"
-            f" within ShardStrategy(timeout={self._timeout}) or has died.{reported} A rank stuck in its"
-            " training_step, a dataloader or I/O holds every other rank; its own log says where it stopped."
-            " If steps legitimately take longer, raise ShardStrategy(timeout=...)."
-            f" torch's error: {text.strip()[:500]}"
-        )
+        self._timed_out = True
+        return timeout_error(type(self).__name__, where, self.global_rank, self._timeout, error)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -40,6 +40,9 @@ from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor
 from lightning_shard.pipeline import PipelineScheduleName
 from lightning_shard.planner import auto_stage
 from lightning_shard.precision import ShardPrecision, to_shard_precision
+
+if TYPE_CHECKING:
+    from lightning_shard.fabric import ShardFabricStrategy
 
 log = logging.getLogger(__name__)
 _compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
@@ -188,6 +191,19 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         self._preemption = Preemption()
         self._weights_loaded_into: L.LightningModule | None = None
         self._empty_init = False  # init_module(empty_init=True) was used: configure_model builds empty too
+
+    def fabric(self) -> ShardFabricStrategy:
+        """The same flags as a Lightning Fabric strategy: ``L.Fabric(strategy=ShardStrategy(...).fabric())``."""
+        from lightning_shard.fabric import ShardFabricStrategy
+
+        return ShardFabricStrategy.from_config(self.config)
+
+    def __repr__(self) -> str:
+        # Fabric's "invalid strategy" error prints this: it names the Fabric twin.
+        return (
+            f"ShardStrategy(stage={self.config.stage!r}, engine={self.config.engine!r}) (a Trainer strategy; for"
+            " lightning.Fabric pass ShardFabricStrategy(...) with the same arguments, or ShardStrategy(...).fabric())"
+        )
 
     # --- the validated flags ---------------------------------------------------------------------
 

@@ -106,9 +106,15 @@ class LossRecorder(L.Callback):
 
 def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The unsharded model weights (on every rank), whatever the strategy."""
+    return full_model_weights(trainer.strategy.model, trainer.lightning_module)
+
+
+def full_model_weights(
+    model: torch.nn.Module, module: torch.nn.Module | None = None
+) -> dict[str, torch.Tensor]:
+    """The unsharded weights of a set-up ``model`` (sharded or wrapped; ``module``: the user's, one process)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model = trainer.strategy.model
     if dist.is_initialized():
         sd = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
@@ -117,7 +123,7 @@ def full_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
             for k, v in sd.items()
         }
-    return {k: v.detach().float().clone() for k, v in trainer.lightning_module.state_dict().items()}
+    return {k: v.detach().float().clone() for k, v in (module or model).state_dict().items()}
 
 
 def shard_stages_then_ddp(engine: str, stages: tuple[int, ...]) -> dict[str, Any]:
