@@ -93,17 +93,19 @@ def test_bench_activation_checkpointing_smoke(tmp_path):
 
 @pytest.mark.multirank
 def test_bench_engines_smoke(tmp_path):
+    # The FSDP side only: a DeepSpeed run costs its engine's start-up; the ratio is the full run's (docs/benchmarks.md).
     out = tmp_path / "engines.json"
-    only = ("--only", "fsdp_stage1", "deepspeed_stage1")
-    run = run_benchmark("bench_engines.py", "--smoke", *only, "--profile", "--out", str(out))
+    run = run_benchmark(
+        "bench_engines.py", "--smoke", "--only", "fsdp_stage2", "--profile", "--out", str(out)
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["median_step_ms"]) == {"fsdp_stage1", "deepspeed_stage1"}
-    assert report["fsdp_over_deepspeed"]["stage1"] > 0
-    # One chrome trace per configuration, and the ops behind the step in the JSON.
-    for name in ("fsdp_stage1", "deepspeed_stage1"):
-        assert json.loads((tmp_path / "traces" / f"{name}.json").read_text())["traceEvents"]
-        assert report["profiles"][name][0]["self_cpu_ms_per_step"] > 0
+    assert set(report["median_step_ms"]) == {"fsdp_stage2"} and report["median_step_ms"]["fsdp_stage2"] > 0
+    assert report["fsdp_over_deepspeed"] == {}
+    # A chrome trace, and the ops behind the step in the JSON.
+    assert json.loads((tmp_path / "traces" / "fsdp_stage2.json").read_text())["traceEvents"]
+    ops = report["profiles"]["fsdp_stage2"]
+    assert ops[0]["self_cpu_ms_per_step"] > 0
 
 
 @pytest.mark.multirank
