@@ -78,6 +78,24 @@ def predict_inputs(module: L.LightningModule, batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
+def stage_runner(
+    model: Any, config: ShardConfig, rank: int, device: Any, mesh: Any, loss_fn: Any, plan: StagePlan | None
+) -> StageRunner:
+    """The runner of pipeline rank ``rank``'s stages of the set-up ``model`` under the flags' schedule."""
+    size, per_rank = config.pipeline_parallel_size, config.stages_per_rank
+    return StageRunner(
+        model,
+        stages_of_rank(rank, size, per_rank),
+        size * per_rank,
+        device,
+        mesh["pp"].get_group(),
+        config.pipeline_schedule,
+        config.microbatches,
+        loss_fn,
+        plan,
+    )
+
+
 class PipelineSteps(EngineSteps):
     """Lightning's step hooks, run through a pipeline schedule when ``pipeline_parallel_size > 1``."""
 
@@ -127,16 +145,13 @@ class PipelineSteps(EngineSteps):
             self._pipeline = None
             return
         assert self.model is not None
-        size, per_rank = self.config.pipeline_parallel_size, self.config.stages_per_rank
-        self._pipeline = StageRunner(
+        self._pipeline = stage_runner(
             self.model,
-            stages_of_rank(rank, size, per_rank),
-            size * per_rank,
+            self.config,
+            rank,
             self.root_device,
-            self.device_mesh["pp"].get_group(),
-            self.config.pipeline_schedule,
-            self.config.microbatches,
-            self._lm.pipeline_loss,  # type: ignore[arg-type]  # checked at set-up (check_contract)
+            self.device_mesh,
+            self._lm.pipeline_loss,  # checked at set-up (check_contract)
             getattr(self._lm, _STAGE),
         )
 

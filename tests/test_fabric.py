@@ -64,7 +64,6 @@ def test_flags_are_validated_as_for_the_trainer():
     ("flags", "match"),
     [
         ({"stage": "auto"}, r"stage='auto'.*lightning-shard plan"),
-        ({"stage": 3, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2.*Trainer-only"),
         ({"stage": 3, "skip_nonfinite": True}, r"skip_nonfinite=True.*isfinite"),
     ],
 )

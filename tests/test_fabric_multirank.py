@@ -58,7 +58,8 @@ def _fabric_run(
     """The plain Fabric loop: micro-batches without gradient sync, clip, step; the loss averaged over ranks."""
     model = _sgd_gpt()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
-    data = fabric.setup_dataloaders(loader(4), use_distributed_sampler=False)
+    tp = fabric.strategy.config.tensor_parallel_size  # type: ignore[attr-defined]
+    data = fabric.setup_dataloaders(loader(4, tensor_parallel_size=tp), use_distributed_sampler=False)
     losses = []
     for i, (x, y) in enumerate(data):
         if i == steps * accumulate:
@@ -94,7 +95,7 @@ def _trainer_losses(
             gradient_clip_algorithm="norm",
         ),
     )
-    trainer.fit(_sgd_gpt(), loader(4))
+    trainer.fit(_sgd_gpt(), loader(4, tensor_parallel_size=flags.get("tensor_parallel_size", 1)))
     return recorder.losses
 
 
@@ -141,6 +142,79 @@ def test_fabric_loop_matches_the_trainer_at_stage_2_with_bf16_mixed_and_activati
 @pytest.mark.deepspeed
 def test_fabric_loop_matches_the_trainer_strategy_on_the_deepspeed_engine():
     _check(run_ranks(_parity_job, 3, "deepspeed", [(1, None), (2, None)])[0])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(tensor_parallel_size=2), dict(replicate_size=2)],
+    ids=["tensor parallel 2", "HSDP replicate 2 x shard 1"],
+)
+def test_fabric_loop_matches_the_trainer_with_tensor_parallelism_and_hsdp(flags):
+    # Both schedules: with a gradient always above the clip, clipping alone would hide a wrong scale.
+    _check(run_ranks(_parity_job, 3, "fsdp", SCHEDULES, "32-true", flags)[0])
+
+
+def _monitors_job(root: str) -> dict:
+    """MFUMonitor and StragglerDetector driven from a Fabric loop by ``fabric.call``, then under the Trainer."""
+    from lightning.fabric.loggers import CSVLogger
+
+    from lightning_shard.callbacks import MFUMonitor, StragglerDetector
+
+    mfu, straggler = MFUMonitor(log_every_n_steps=2, window=2), StragglerDetector(every_n_steps=2)
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy="zero3",
+        callbacks=[mfu, straggler],
+        loggers=CSVLogger(root, name="fabric", version=0),
+    )
+    fabric.launch()
+    model = _sgd_gpt()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
+    for i, (x, y) in enumerate(loader(4)):
+        if i == 4:
+            break
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=model, batch=(x, y), batch_idx=i)
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        fabric.call("on_before_backward", trainer=fabric, pl_module=model, loss=loss)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.call(
+            "on_train_batch_end", trainer=fabric, pl_module=model, outputs=loss, batch=(x, y), batch_idx=i
+        )
+    fabric.logger.finalize("success")
+    out: dict[str, Any] = {
+        "fabric_counted": mfu.counted,
+        "fabric_metrics": dict(mfu.metrics),
+        "straggler_ms": list(straggler.rank_ms),
+        "straggler_metrics": dict(straggler.metrics),
+    }
+    trainer_mfu = MFUMonitor(log_every_n_steps=2, window=2)
+    trainer = L.Trainer(
+        devices=2, strategy=ShardStrategy(stage=3), callbacks=[trainer_mfu], **trainer_kwargs(max_steps=2)
+    )
+    trainer.fit(_sgd_gpt(), loader(4))
+    out["trainer_counted"] = trainer_mfu.counted
+    return out
+
+
+def test_mfu_and_straggler_monitors_run_from_a_fabric_loop(tmp_path):
+    out = run_ranks(_monitors_job, str(tmp_path))
+    for rank in out:
+        # The FLOPs counted on the Fabric loop's first batch are the Trainer's for the same model and batch.
+        assert rank["fabric_counted"]["model_flops"] > 0
+        assert rank["fabric_counted"] == rank["trainer_counted"]
+        for key in ("perf/mfu", "perf/hfu", "perf/tokens_per_sec", "perf/step_time_s"):
+            assert rank["fabric_metrics"][key] > 0, key
+        assert len(rank["straggler_ms"]) == 2 and min(rank["straggler_ms"]) > 0
+        assert set(rank["straggler_metrics"]) >= {"straggler/rank0_ms", "straggler/rank1_ms"}
+    rows = (tmp_path / "fabric" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    steps = sorted({int(float(row.split(",")[header.index("step")])) for row in rows[1:]})
+    assert steps == [2, 4]  # logged every 2 batches, at the number of batches seen
+    assert "perf/mfu" in header and "straggler/rank1_ms" in header
 
 
 def _collectives(fabric: L.Fabric) -> tuple[Any, ...]:
@@ -287,7 +361,7 @@ def test_the_fabric_example_runs_on_two_ranks_and_exits_zero(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "examples" / "fabric_gpt.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--steps", "3", "--checkpoint", "ckpt/fabric.ckpt"],
+        [sys.executable, str(script), "--steps", "5", "--checkpoint", "ckpt/fabric.ckpt"],
         cwd=tmp_path,
         env=job_env(),
         capture_output=True,
@@ -296,6 +370,74 @@ def test_the_fabric_example_runs_on_two_ranks_and_exits_zero(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     losses = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
-    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    perf = [line for line in run.stdout.splitlines() if "tokens/s, MFU" in line]  # after 10 micro-batches
+    assert len(perf) == 1 and "slowest rank" in perf[0], run.stdout[-2000:]
     assert (tmp_path / "ckpt" / "fabric.ckpt" / "meta.pt").is_file()
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def _pipeline_job(root: str) -> dict:
+    """Pipeline stages in a Fabric loop (fabric.strategy.pipeline_step) and under the Trainer, same flags and
+    data; then the Fabric's checkpoint read by the Trainer without stages."""
+    from tests.test_pipeline_multirank import BATCH, _fit, _loader, _model
+
+    flags = dict(stage=3, pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardFabricStrategy(**flags))  # type: ignore[arg-type]
+    fabric.launch()
+    model = _model("sgd", 2)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
+    losses, accumulate = [], 2
+    for i, (x, y) in enumerate(_loader(2, 2, BATCH)):
+        if i == 3 * accumulate:
+            break
+        boundary = (i + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not boundary):
+            loss = fabric.strategy.pipeline_step(model, x, y, scale=GRADIENT_SCALE / accumulate)
+        losses.append(loss.item() / accumulate)  # as the Trainer reports it: the micro-batch's share
+        if boundary:
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    x, y = next(iter(_loader(2, 2, BATCH)))
+    eval_loss = fabric.strategy.pipeline_eval_step(model, x, y).item()
+    refused = ""
+    try:
+        fabric.backward(loss)
+    except RuntimeError as error:
+        refused = str(error)
+    path = Path(root) / "pp.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    stage_weights = full_model_weights(fabric.strategy._model)
+    trainer_run = _fit("sgd", 2, **flags)
+    trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=3), **trainer_kwargs(limit_val_batches=1))
+    module = _model("sgd", 2)
+    module.validation_step = lambda batch, batch_idx: None  # type: ignore[method-assign]
+    trainer.validate(module, loader(4), ckpt_path=path)
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "refused": refused,
+        "stage_weights": stage_weights,
+        "trainer_losses": trainer_run["losses"],
+        "trainer_stage_weights": trainer_run["weights"],
+        "loaded_without_stages": full_weights(trainer),
+    }
+
+
+def test_pipeline_stages_in_a_fabric_loop_match_the_trainer_and_their_checkpoint_loads_without_stages(
+    tmp_path,
+):
+    out = run_ranks(_pipeline_job, str(tmp_path))
+    merged = {**out[0]["stage_weights"], **out[1]["stage_weights"]}
+    assert not set(out[0]["stage_weights"]) & set(out[1]["stage_weights"])  # each rank holds its own stage
+    for rank in out:
+        assert len(rank["losses"]) == 6
+        torch.testing.assert_close(rank["losses"], rank["trainer_losses"], rtol=1e-5, atol=0)
+        for key, value in rank["stage_weights"].items():
+            torch.testing.assert_close(value, rank["trainer_stage_weights"][key], rtol=1e-5, atol=1e-6)
+        assert rank["eval_loss"] < rank["losses"][0] * 2  # the trained model's full-batch loss
+        assert "fabric.backward has nothing to do" in rank["refused"]
+        assert sorted(rank["loaded_without_stages"]) == sorted(merged)
+        for key, value in merged.items():
+            torch.testing.assert_close(rank["loaded_without_stages"][key], value, rtol=0, atol=0, msg=key)

@@ -68,7 +68,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_shard._batch import batch_shape
-from lightning_shard.callbacks._common import check_count, gather_rows, ranks_per_batch
+from lightning_shard.callbacks._common import (
+    Runner,
+    check_count,
+    gather_rows,
+    logged_step,
+    precision_name,
+    ranks_per_batch,
+)
 from lightning_shard.callbacks._flops import FirstStepFlops
 from lightning_shard.callbacks._peaks import ComputeDtype, compute_dtype, probe_cpu_peak, table_peak
 
@@ -101,6 +108,14 @@ class MFUMonitor(Callback):
 
     Keys (all under ``perf/``) are listed in docs/monitoring.md. The last logged values are also kept
     in ``self.metrics`` on every rank.
+
+    In a Lightning Fabric loop, pass it to ``L.Fabric(callbacks=[...])`` and call
+    ``fabric.call("on_train_batch_start", trainer=fabric, pl_module=model, batch=batch, batch_idx=i)``
+    before each (micro-)batch's forward and ``fabric.call("on_train_batch_end", trainer=fabric,
+    pl_module=model, outputs=loss, batch=batch, batch_idx=i)`` after its backward (and the optimizer step,
+    when it steps); metrics go to ``fabric.loggers`` at the number of batches seen. Keyword arguments:
+    Fabric passes each hook only those its signature names, so a LightningModule's own hooks of the same
+    name run too.
     """
 
     def __init__(
@@ -138,6 +153,7 @@ class MFUMonitor(Callback):
         self._start = 0.0
         self._every = 1
         self._device = torch.device("cpu")
+        self._started = False
 
     @property
     def counted(self) -> dict[str, float] | None:
@@ -145,11 +161,10 @@ class MFUMonitor(Callback):
         return self._first.counted
 
     @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: Runner, pl_module: torch.nn.Module) -> None:
+        self._started = True
         device = trainer.strategy.root_device
-        dtype = compute_dtype(
-            getattr(trainer.strategy.precision_plugin, "precision", "32-true"), pl_module, device
-        )
+        dtype = compute_dtype(precision_name(trainer), pl_module, device)
         if self.peak_flops is not None:
             self.device_peak, self.peak_source = self.peak_flops, "peak_flops"
         else:
@@ -178,8 +193,10 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+        self, trainer: Runner, pl_module: torch.nn.Module, batch: Any, batch_idx: int
     ) -> None:
+        if not self._started:  # a Fabric loop has no fit start: its first batch is one
+            self.on_fit_start(trainer, pl_module)
         self._start = self._clock()
         if self.flops_per_batch == "auto":
             self._first.start(batch)  # only the first batch of the fit is counted
@@ -198,7 +215,7 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Runner, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._stop_counting()
         self._batches += 1
@@ -233,7 +250,7 @@ class MFUMonitor(Callback):
         model, hardware = self._batch_flops(batch)
         return _Record(now - self._last_end, self._start - self._last_end, samples, tokens, model, hardware)  # type: ignore[operator]
 
-    def _log(self, trainer: L.Trainer) -> None:
+    def _log(self, trainer: Runner) -> None:
         recs = list(self._records)
         tokens = [r.tokens for r in recs]
         local = [
@@ -254,7 +271,7 @@ class MFUMonitor(Callback):
         rows = gather_rows(trainer, local)
         self.metrics = _window_metrics(rows, len(recs))
         for logger in trainer.loggers:
-            logger.log_metrics(self.metrics, step=trainer.global_step)
+            logger.log_metrics(self.metrics, step=logged_step(trainer, self._batches))
 
 
 def _window_metrics(rows: torch.Tensor, n_batches: int) -> dict[str, float]:

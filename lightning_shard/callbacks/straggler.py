@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_shard.callbacks._common import check_count, gather_rows
+from lightning_shard.callbacks._common import Runner, check_count, gather_rows, logged_step
 
 _HOST_BYTES = 64
 
@@ -50,6 +50,13 @@ class StragglerDetector(Callback):
 
     Flagged ranks are also appended to ``self.stragglers`` (dicts with step, rank, host, ms, ratio)
     on every rank, and the last per-rank times are in ``self.rank_ms``.
+
+    In a Lightning Fabric loop, pass it to ``L.Fabric(callbacks=[...])`` and call, with keyword arguments,
+    ``fabric.call("on_train_batch_start", trainer=fabric, pl_module=model, batch=batch, batch_idx=i)``
+    before each batch's forward, ``fabric.call("on_before_backward", trainer=fabric, pl_module=model,
+    loss=loss)`` before ``fabric.backward`` (without it the compute span runs to the batch's end,
+    collectives included) and ``fabric.call("on_train_batch_end", trainer=fabric, pl_module=model,
+    outputs=loss, batch=batch, batch_idx=i)`` at the batch's end.
     """
 
     def __init__(self, threshold: float = 1.2, every_n_steps: int = 50) -> None:
@@ -78,6 +85,8 @@ class StragglerDetector(Callback):
         self._data: float | None = None
         self._compute: float | None = None
         self._events: Any = None
+        self._cuda = False
+        self._started = False
 
     def _reset_window(self) -> None:
         self._sum_data = 0.0
@@ -87,7 +96,8 @@ class StragglerDetector(Callback):
         self._cuda_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: Runner, pl_module: torch.nn.Module) -> None:
+        self._started = True
         self._cuda = trainer.strategy.root_device.type == "cuda"
         name = socket.gethostname().encode("utf-8")[:_HOST_BYTES]
         rows = gather_rows(trainer, list(name.ljust(_HOST_BYTES, b"\0")))
@@ -105,8 +115,10 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+        self, trainer: Runner, pl_module: torch.nn.Module, batch: Any, batch_idx: int
     ) -> None:
+        if not self._started:  # a Fabric loop has no fit start: its first batch is one
+            self.on_fit_start(trainer, pl_module)
         self._start = self._clock()
         self._data = None if self._last_end is None else self._start - self._last_end
         self._compute = None
@@ -115,9 +127,7 @@ class StragglerDetector(Callback):
             self._events.record()
 
     @override
-    def on_before_backward(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: Runner, pl_module: torch.nn.Module, loss: torch.Tensor) -> None:
         if self._compute is None:  # only the first backward: later ones follow a collective
             self._stop_compute()
 
@@ -132,7 +142,7 @@ class StragglerDetector(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Runner, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._compute is None:
             self._stop_compute()
@@ -146,7 +156,7 @@ class StragglerDetector(Callback):
         if self._batches % self.every_n_steps == 0:
             self._compare(trainer)
 
-    def _compare(self, trainer: L.Trainer) -> None:
+    def _compare(self, trainer: Runner) -> None:
         compute_s = self._sum_compute
         if self._cuda_spans:
             self._cuda_spans[-1][1].synchronize()
@@ -161,7 +171,7 @@ class StragglerDetector(Callback):
         self.metrics["straggler/median_ms"] = median
         self.metrics["straggler/max_ratio"] = max(self.rank_ms) / median if median > 0 else 1.0
         for logger in trainer.loggers:
-            logger.log_metrics(self.metrics, step=trainer.global_step)
+            logger.log_metrics(self.metrics, step=logged_step(trainer, self._batches))
         if median <= 0:
             return
         for rank, (total, data, compute) in enumerate(rows.tolist()):
@@ -169,15 +179,14 @@ class StragglerDetector(Callback):
                 self._flag(trainer, rank, total, data, compute, median)
 
     def _flag(
-        self, trainer: L.Trainer, rank: int, total: float, data: float, compute: float, median: float
+        self, trainer: Runner, rank: int, total: float, data: float, compute: float, median: float
     ) -> None:
         host = self._hosts[rank] if rank < len(self._hosts) else "?"
         ratio = total / median
-        self.stragglers.append(
-            {"step": trainer.global_step, "rank": rank, "host": host, "ms": total, "ratio": ratio}
-        )
+        step = logged_step(trainer, self._batches)
+        self.stragglers.append({"step": step, "rank": rank, "host": host, "ms": total, "ratio": ratio})
         rank_zero_warn(
             f"StragglerDetector: rank {rank} on host {host!r} took {total:.1f} ms per batch before its first"
             f" collective (data {data:.1f} ms + compute {compute:.1f} ms), {ratio:.2f}x the median {median:.1f} ms"
-            f" (threshold {self.threshold}) over the last {self.every_n_steps} batches up to step {trainer.global_step}."
+            f" (threshold {self.threshold}) over the last {self.every_n_steps} batches up to step {step}."
         )

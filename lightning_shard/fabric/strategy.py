@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -29,6 +30,7 @@ from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
+from lightning_shard.fabric._pipeline import FabricPipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
 from lightning_shard.fabric._processes import FabricProcesses
 from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor_parallel_mesh
@@ -37,15 +39,16 @@ from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor
 FLAGS = frozenset(inspect.signature(ShardConfig.from_flags).parameters) - {"cls", "ddp_kwargs"}
 
 
-class ShardFabricStrategy(FabricProcesses, _Sharded):
+class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     """ZeRO stages 0-3 for a Lightning Fabric loop, over the engines :class:`~lightning_shard.ShardStrategy` uses.
 
     Takes ShardStrategy's arguments (``stage``, ``engine``, ``offload_*``, ``activation_checkpointing``,
     ``replicate_size``, ``tensor_parallel_size``, ``checkpoint``, ``async_checkpoint``, ``init_weights``,
     ``timeout``, DDP options at stages 0-1, ...) with the same validation; ``ShardStrategy(...).fabric()``
-    builds one from a Trainer strategy's flags. Not available here, because they are Trainer hooks:
-    ``stage="auto"`` (it plans from the Trainer's batch), ``pipeline_parallel_size > 1`` (the schedule runs the
-    Trainer's step) and ``skip_nonfinite``. See docs/fabric.md.
+    builds one from a Trainer strategy's flags. With ``pipeline_parallel_size > 1`` each batch goes through
+    :meth:`pipeline_step` in place of the forward and ``fabric.backward``. Not available here, because they
+    are Trainer hooks: ``stage="auto"`` (it plans from the Trainer's batch) and ``skip_nonfinite``. See
+    docs/fabric.md.
     """
 
     def __init__(self, stage: int | Literal["auto"] = 3, **flags: Any) -> None:
@@ -115,7 +118,10 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
         super().setup_environment()
         self.precision.shard.setup_device(self.root_device, None)  # the loss scaler agrees over every rank
         if self.layout.multi_dimensional:
-            self.precision.shard.clip_grad_norm = clip_grad_norm_
+            self.precision.shard.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=self.layout.pp)
+        self._engine = self._new_engine()
+
+    def _new_engine(self) -> Engine:
         run = RunContext(
             device=self.root_device,
             mesh=data_parallel_mesh(self.device_mesh),
@@ -126,7 +132,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
             backend=str(self.process_group_backend),
             barrier=self.barrier,
         )
-        self._engine = self._engine_class(self.config, self.precision.shard, run)
+        return self._engine_class(self.config, self.precision.shard, run)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -157,7 +163,10 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
             )
         if self.config.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.config.activation_checkpointing)
+        if self._cut_to_stage(module):  # pipeline stages: this rank keeps its own before anything shards it
+            self._engine = self._new_engine()
         model = self.engine.setup_module(module)
+        self._build_stage_runner(model)
         if self.config.init_weights is not None:
             self.engine.load_full_weights(module, self.config.init_weights)
         self.barrier()
@@ -174,7 +183,8 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
         model = self.setup_module(module)
         live = dict(module.named_parameters())
         for optimizer in optimizers:
-            _rebind(optimizer, names, live)
+            # With pipeline stages, parameters of the other ranks' stages were cut away: they leave it too.
+            _rebind(optimizer, names, live, cut=self._pipeline is not None)
         schedulers = [scheduler] if scheduler is not None else []
         model, optimizers = self.engine.setup_optimizers(model, list(optimizers), schedulers, TrainSettings())
         self._model = model
@@ -210,6 +220,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
     @guarded
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         model = self._running()
+        self._refuse_backward_under_pipeline()
         tensor = self.precision.pre_backward(tensor, module)
         if self.engine.owns_step:
             # Fabric steps the optimizer where the user says: every backward may precede a step.
@@ -247,7 +258,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
         # One all-reduce of squared norms over every rank and mesh: the norm of the whole model's gradient.
-        norm = clip_grad_norm_(parameters, float(max_norm))
+        norm = clip_grad_norm_(parameters, float(max_norm), pipeline_stages=self.layout.pp)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(
                 f"The total norm of the gradients is {norm.item()}: fabric.clip_gradients(error_if_nonfinite=True)"
@@ -304,6 +315,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
         model = self._running()
         location = resolve(self.broadcast(str(path)), "fabric.save(path)")
         _, optimizers, others = _checkpoint.split_state(state, model)
+        self._mark_pipeline(others)
         engine = self.engine
         checkpoint = _checkpoint.to_checkpoint(
             engine.model_state_dict(model, full=self._full),
@@ -326,6 +338,7 @@ class ShardFabricStrategy(FabricProcesses, _Sharded):
             )
         model = self._running()
         location = follow_alias(resolve(self.broadcast(str(path)), "fabric.load(path)"))
+        self._refuse_unsharded_under_pipeline(location, "fabric.load")
         _, optimizers, others = _checkpoint.split_state(state, model)
         loaded = self.engine.load_checkpoint(
             model, [optimizer for _, optimizer in optimizers], location, weights_only
@@ -374,9 +387,11 @@ class _EngineNoSync(_BackwardSyncControl):
         return self._strategy.engine.no_sync(module)
 
 
-def _rebind(optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Parameter]) -> None:
+def _rebind(
+    optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Parameter], cut: bool = False
+) -> None:
     """Point ``optimizer`` at the parameters that replaced the ones it was built with (FSDP2 shards,
-    meta parameters allocated), by name."""
+    meta parameters allocated), by name; ``cut``: drop those the module no longer has (other stages')."""
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
@@ -391,7 +406,13 @@ def _rebind(optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Para
                     " to the unsharded parameters. Set it up before the first step, or load its state after setup"
                     " with fabric.load."
                 )
-            params.append(live[names[id(p)]])
+            if names[id(p)] in live:
+                params.append(live[names[id(p)]])
+            elif not cut:
+                raise ValueError(
+                    f"ShardFabricStrategy: the parameter {names[id(p)]!r} the optimizer holds is gone from the"
+                    " model after set-up. Build the optimizer from model.parameters() of the model passed with it."
+                )
         group["params"] = params
 
 
@@ -402,11 +423,6 @@ def _refuse_trainer_only(config: ShardConfig) -> None:
             config.stage == "auto",
             "it plans from the Trainer's model and batch. Pick stage=0-3"
             " (`lightning-shard plan` recommends one)",
-        ),
-        (
-            f"pipeline_parallel_size={config.pipeline_parallel_size}",
-            config.pipeline_parallel_size > 1,
-            "the pipeline schedule runs the Trainer's training_step. Use the Trainer, or pipeline_parallel_size=1",
         ),
         (
             "skip_nonfinite=True",

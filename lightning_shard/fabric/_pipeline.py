@@ -1,0 +1,171 @@
+"""Pipeline stages in a Fabric loop: the model cut at set-up, and one explicit call per batch.
+
+A Fabric loop has no ``training_step`` for the schedule to run in place of, so each batch goes through
+``fabric.strategy.pipeline_step(model, inputs, target)``: forward and backward of every microbatch on this
+rank's stages under the schedule the flags name; the loss (the mean over microbatches) comes back on every
+stage, and the gradients are in ``.grad`` as after ``fabric.backward``. Clipping, the optimizer step,
+``zero_grad``, accumulation (``fabric.no_backward_sync``) and checkpoints are the loop's usual calls. The
+cut, the schedule and the stage runner are the Trainer strategy's (:mod:`lightning_shard._pipeline_steps`,
+:mod:`lightning_shard.pipeline`); docs/fabric.md shows the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shard._modules import detect_block_classes
+from lightning_shard._pipeline_steps import PIPELINE_KEY, stage_runner
+from lightning_shard._processes import guarded
+from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
+from lightning_shard.config import ShardConfig
+from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
+from lightning_shard.pipeline.split import StagePlan
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class FabricPipeline:
+    """What :class:`~lightning_shard.fabric.ShardFabricStrategy` adds for ``pipeline_parallel_size > 1``."""
+
+    config: ShardConfig
+    device_mesh: Any
+    root_device: torch.device
+    precision: Any
+    _model: nn.Module | None
+    _pipeline: StageRunner | None = None
+    _plan: StagePlan | None = None
+    _loss_fn: LossFn | None = None
+
+    @property
+    def pipeline_stage(self) -> int | None:
+        """This rank's pipeline stage (``None`` without pipeline stages)."""
+        names = self.device_mesh.mesh_dim_names or ()
+        return self.device_mesh["pp"].get_local_rank() if "pp" in names else None
+
+    def _cut_to_stage(self, module: nn.Module) -> bool:
+        """Before the engine shards ``module``: keep only this rank's stages. True when the config changed
+        (the block classes to shard were detected on the whole model), so the engine must be rebuilt."""
+        stages, rank = self.config.pipeline_parallel_size, self.pipeline_stage
+        if rank is None:
+            return False
+        if self.precision.shard.scaler is not None:
+            raise ValueError(
+                f"ShardFabricStrategy(pipeline_parallel_size={stages}) cannot scale the loss for"
+                " Fabric(precision='16-mixed'): the schedule's per-microbatch backward would skip the loss"
+                " scaler. Use precision='bf16-mixed', or pipeline_parallel_size=1."
+            )
+        changed = False
+        if self.config.shard_modules is None:
+            # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
+            self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
+            changed = self.config.shard_modules is not None
+        total = stages * self.config.stages_per_rank
+        plan = plan_stages(module, total, self.config.pipeline_split_points)
+        own = stages_of_rank(rank, stages, self.config.stages_per_rank)
+        keep_stage(module, plan, own)
+        self._plan = plan
+        for stage in own:
+            log.info(
+                "ShardFabricStrategy: pipeline stage %d of %d holds %s",
+                stage,
+                total,
+                list(plan.blocks_of(stage)),
+            )
+        return changed
+
+    def _build_stage_runner(self, model: nn.Module) -> None:
+        """After the engine has sharded the stage: the stage runner and its schedule."""
+        rank = self.pipeline_stage
+        if rank is None:
+            return
+        self._pipeline = stage_runner(
+            model, self.config, rank, self.root_device, self.device_mesh, self._call_loss, self._plan
+        )
+
+    def _call_loss(self, output: Any, target: Any) -> Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    @guarded
+    def pipeline_step(
+        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None, scale: float = 1.0
+    ) -> Tensor:
+        """Forward and backward of one batch through this rank's pipeline stages; its loss on every stage.
+
+        Args:
+            model: the model ``fabric.setup`` returned.
+            inputs: the first stage's positional arguments (a tensor or a tuple of them); the last stage
+                may pass anything, as only the first stage reads them.
+            target: what ``loss_fn`` compares the last stage's output with.
+            loss_fn: ``loss_fn(output, target) -> Tensor``, the mean loss of one microbatch; by default the
+                model's ``pipeline_loss`` (the Trainer strategy's contract, docs/pipeline.md).
+            scale: the gradients are ``scale x`` those of the batch's loss (``1 / accumulate`` under
+                accumulation); the returned loss is not scaled.
+        """
+        runner = self._stage_runner(model, "pipeline_step", loss_fn)
+        with self.precision.forward_context():
+            return runner.train_step(_as_tuple(inputs), target, float(scale))
+
+    @guarded
+    def pipeline_eval_step(
+        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None
+    ) -> Tensor:
+        """Forward only, through this rank's stages; the batch's loss on every stage."""
+        runner = self._stage_runner(model, "pipeline_eval_step", loss_fn)
+        with torch.no_grad(), self.precision.forward_context():
+            return runner.eval_step(_as_tuple(inputs), target)
+
+    def _stage_runner(self, model: nn.Module, call: str, loss_fn: LossFn | None) -> StageRunner:
+        if self._pipeline is None:
+            raise RuntimeError(
+                f"fabric.strategy.{call}(...) runs a batch through pipeline stages: it needs"
+                " ShardFabricStrategy(pipeline_parallel_size>1) and the model set up with fabric.setup first."
+                " Without pipeline stages, call the model and fabric.backward(loss)."
+            )
+        if getattr(model, "_forward_module", model) is not self._model:
+            raise ValueError(
+                f"fabric.strategy.{call}(model, ...) takes the model fabric.setup returned; got"
+                f" {type(model).__name__}, which is not it."
+            )
+        if loss_fn is None:
+            module = getattr(model, "_original_module", model)
+            loss_fn = getattr(module, "pipeline_loss", None)
+            if not callable(loss_fn):
+                raise ValueError(
+                    f"fabric.strategy.{call}(model, inputs, target) needs the loss of one microbatch: pass"
+                    f" loss_fn=callable(output, target) -> Tensor, or define {type(module).__name__}.pipeline_loss."
+                )
+        self._loss_fn = loss_fn
+        return self._pipeline
+
+    def _refuse_backward_under_pipeline(self) -> None:
+        if self._pipeline is not None:
+            raise RuntimeError(
+                "ShardFabricStrategy(pipeline_parallel_size>1): fabric.backward has nothing to do, because"
+                " fabric.strategy.pipeline_step(model, inputs, target) runs every microbatch's backward and returns"
+                " the loss detached. Call the optimizer step after it, without fabric.backward."
+            )
+
+    def _mark_pipeline(self, others: dict[str, Any]) -> None:
+        if self._pipeline is not None:
+            others[PIPELINE_KEY] = self.config.pipeline_parallel_size
+
+    def _refuse_unsharded_under_pipeline(self, path: Any, call: str) -> None:
+        if self._pipeline is not None and (path.is_file() or is_deepspeed_checkpoint(path)):
+            kind = "a one-file checkpoint" if path.is_file() else "a DeepSpeed checkpoint"
+            raise ValueError(
+                f"ShardFabricStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) loads sharded"
+                f" checkpoints only, and {call}({str(path)!r}) is {kind}. Load it once without pipeline stages"
+                " and save it sharded, or start from its weights (lightning_shard.checkpoint.load_model_weights)."
+            )
+
+
+def _as_tuple(inputs: Any) -> tuple[Any, ...]:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
