@@ -21,10 +21,10 @@ from lightning_shard.demos import GPTModule
 from lightning_shard.demos.ranks import run_ranks
 
 
-def _configs(stages: list[int]) -> dict[str, dict[str, Any]]:
+def _configs(stages: list[int], policies: list[str]) -> dict[str, dict[str, Any]]:
     configs: dict[str, dict[str, Any]] = {}
     for stage in stages:
-        for ac in (None, "selective"):
+        for ac in (None if policy == "none" else policy for policy in policies):
             name = f"stage{stage}" + (f"_{ac}" if ac else "")
             for mode, compile in (("eager", False), ("compiled", True)):
                 configs[f"{name}/{mode}"] = dict(stage=stage, activation_checkpointing=ac, compile=compile)
@@ -42,8 +42,10 @@ def _run(flags: dict[str, Any], steps: int, model: dict[str, Any]) -> dict[str, 
     }
 
 
-def _bench(rounds: int, steps: int, stages: list[int], model: dict[str, Any]) -> dict[str, list[dict]]:
-    return interleaved(_configs(stages), rounds, lambda config: _run(config, steps, model))
+def _bench(
+    rounds: int, steps: int, stages: list[int], policies: list[str], model: dict[str, Any]
+) -> dict[str, list[dict]]:
+    return interleaved(_configs(stages, policies), rounds, lambda config: _run(config, steps, model))
 
 
 def main() -> None:
@@ -53,6 +55,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 3])
+    parser.add_argument(
+        "--ac",
+        nargs="+",
+        choices=["none", "selective"],
+        default=["none", "selective"],
+        help="activation checkpointing",
+    )
     parser.add_argument("--layers", type=int, default=MODEL["n_layers"])
     parser.add_argument("--d-model", type=int, default=MODEL["d_model"])
     parser.add_argument("--out", default="benchmarks/results/compile.json")
@@ -60,7 +69,7 @@ def main() -> None:
     if args.steps < 3:
         parser.error(f"--steps {args.steps}: at least 3 (the first two steps are not timed)")
     model = {**MODEL, "n_layers": args.layers, "d_model": args.d_model}
-    raw = run_ranks(_bench, args.rounds, args.steps, args.stages, model)[0]
+    raw = run_ranks(_bench, args.rounds, args.steps, args.stages, args.ac, model)[0]
     median_ms = {n: statistics.median(r["step_s"] for r in runs) * 1000 for n, runs in raw.items()}
     pairs = sorted({name.split("/")[0] for name in raw})
     report = {

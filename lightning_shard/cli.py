@@ -146,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_export(sub)
     _add_plan(sub)
+    sub.add_parser(
+        "build-ops",
+        help="build DeepSpeed's compiled ops (CPU Adam, async I/O for NVMe, ...) once, before any job loads them",
+    )
     return parser
 
 
@@ -338,6 +342,21 @@ def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
     return 0
 
 
+def _run_build_ops() -> int:
+    from lightning_shard.engines._ds_ops import build_deepspeed_ops
+
+    try:
+        results = build_deepspeed_ops()
+    except RuntimeError as err:
+        print(f"lightning-shard build-ops: {err}", file=sys.stderr)
+        return 2
+    for op in results:
+        seconds = f" in {op.seconds:.1f} s" if op.status != "skipped" else ""
+        detail = f": {op.detail}" if op.detail else ""
+        print(f"{op.name:<24} {op.status}{seconds}{detail}  [{op.used_for}]")
+    return 1 if any(op.status == "failed" for op in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
@@ -360,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         return _run_export(args)
+    elif args.command == "build-ops":
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return _run_build_ops()
     elif args.command == "plan":
         from lightning_shard.units import PlanInputError
 

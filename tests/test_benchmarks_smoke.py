@@ -55,11 +55,25 @@ def test_bench_pipeline_smoke(tmp_path):
 @pytest.mark.multirank
 def test_bench_compile_smoke(tmp_path):
     out = tmp_path / "compile.json"
-    args = ("--rounds", "1", "--steps", "3", "--stages", "3", "--layers", "2", "--d-model", "64")
+    # Selective activation checkpointing with compile: tests/test_compile.py (the smoke runs the bench's path).
+    args = (
+        "--rounds",
+        "1",
+        "--steps",
+        "3",
+        "--stages",
+        "3",
+        "--ac",
+        "none",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+    )
     run = run_benchmark("bench_compile.py", *args, "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["compiled_over_eager"]) == {"stage3", "stage3_selective"}
+    assert set(report["compiled_over_eager"]) == {"stage3"}
     assert all(ratio > 0 for ratio in report["compiled_over_eager"].values())
     assert set(report["recompiles"].values()) == {0}
 

@@ -79,6 +79,37 @@ def test_libaio_missing(tmp_path, monkeypatch):
         ShardStrategy(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path))
 
 
+@pytest.mark.deepspeed
+def test_build_ops_builds_what_the_engine_loads_and_names_what_it_skips(capsys):
+    """``lightning-shard build-ops`` (the README runs it before the tests): every op the CPU runs loads."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from lightning_shard import cli
+
+    assert cli.main(["build-ops"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert " built in " in rows["cpu_adam"] and " built in " in rows["deepspeed_shm_comm"]
+    assert "skipped: not used on the cpu accelerator" in rows["FusedAdamBuilder"]
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        assert " built in " in rows["async_io"]
+    else:
+        assert "skipped: libaio not found: apt-get install libaio-dev" in rows["async_io"]
+
+
+@pytest.mark.deepspeed
+def test_build_ops_reports_a_failed_build_and_exits_1(capsys, monkeypatch):
+    from deepspeed.ops.op_builder.cpu.cpu_adam import CPUAdamBuilder
+
+    from lightning_shard import cli
+
+    def fail(self, verbose=True):
+        raise RuntimeError("Error building extension 'cpu_adam'")
+
+    monkeypatch.setattr(CPUAdamBuilder, "load", fail)
+    assert cli.main(["build-ops"]) == 1
+    assert "cpu_adam                 failed" in capsys.readouterr().out
+
+
 def test_deepspeed_not_installed(monkeypatch):
     real = offload_mod.importlib.util.find_spec
     monkeypatch.setattr(

@@ -32,16 +32,18 @@ def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2
     # torch first and pinned (an unpinned torch may pull a multi-GB CUDA build), then the package.
     assert all(c.startswith("pip install torch==2.13.0") for c in commands)
-    *installs, test_command = (part.strip() for part in commands[1].split("&&"))
-    # DeepSpeed's tests run too: DeepSpeed builds against the installed torch, so without build isolation.
+    *installs, build_ops, test_command = (part.strip() for part in commands[1].split("&&"))
+    # DeepSpeed's tests run too: DeepSpeed builds against the installed torch, so without build isolation,
+    # and its C++ ops are compiled once before the tests load them.
     assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed,s3,hf]"'
+    assert build_ops == "lightning-shard build-ops"
     assert test_command == "python -m pytest -q"
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
     # CI installs with exactly the README's commands, in order, and ends with its test command.
     assert [
         line for line in ci_lines if line.startswith(("pip install", "python -m pip install"))
     ] == installs
-    assert ci_lines[-1] == test_command
+    assert build_ops in ci_lines[:-1] and ci_lines[-1] == test_command
 
 
 def test_quickstart_and_ci_name_what_nvme_offload_needs_and_what_tests_skip_on():
