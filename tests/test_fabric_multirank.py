@@ -144,6 +144,25 @@ def test_fabric_loop_matches_the_trainer_strategy_on_the_deepspeed_engine():
     _check(run_ranks(_parity_job, 3, "deepspeed", [(1, None), (2, None)])[0])
 
 
+def _deepspeed_stage1_job() -> dict:
+    results = _parity_job(1, "deepspeed", [(1, None)])
+    try:
+        _fabric_losses(_fabric(1, "deepspeed"), 2, None)
+    except ValueError as error:
+        return {"results": results, "refused": str(error)}
+    return {"results": results, "refused": ""}
+
+
+@pytest.mark.deepspeed
+def test_fabric_loop_at_deepspeed_stage_1_matches_the_trainer_and_refuses_accumulation():
+    """DeepSpeed ZeRO-1/2 partitions gradients at each backward: a second one before the step would replace
+    the first, so accumulation in a Fabric loop is refused with the fix (as under manual optimization)."""
+    for rank in run_ranks(_deepspeed_stage1_job):
+        _check(rank["results"])
+        assert "fabric.backward() in a Fabric loop" in rank["refused"]
+        assert "use stage=0 or 3, or engine='fsdp'" in rank["refused"]
+
+
 @pytest.mark.parametrize(
     "flags",
     [dict(tensor_parallel_size=2), dict(replicate_size=2)],

@@ -230,8 +230,9 @@ class DeepSpeedEngine(Engine):
             # backward before step() would replace the first one's gradients instead of adding to them.
             raise ValueError(
                 f"ShardStrategy(stage={self.stage}, engine='deepspeed') cannot accumulate gradients over several"
-                " self.manual_backward() calls before optimizer.step(): DeepSpeed ZeRO-1/2 would keep only the"
-                " last one. Call step() after every manual_backward(), use stage=0 or 3, or engine='fsdp'."
+                " backward calls (self.manual_backward() in manual optimization, fabric.backward() in a Fabric"
+                " loop) before optimizer.step(): DeepSpeed ZeRO-1/2 would keep only the last one. Call step()"
+                " after every backward, use stage=0 or 3, or engine='fsdp'."
             )
         # Lightning's loop has already divided the loss by accumulate_grad_batches; DeepSpeed would
         # divide it again by gradient_accumulation_steps (the same number) and halve every gradient.
