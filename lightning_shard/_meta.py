@@ -93,8 +93,9 @@ def check_initialisable(module: nn.Module, loaded_from: str | None = None) -> No
             f"{_class_name(module)} was built on the meta device, and nothing can initialise "
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: these modules define no"
             " reset_parameters(). Define init_weights(self) on the LightningModule to initialise them (it runs"
-            " after every reset_parameters(), on the allocated shards), or start from full weights with"
-            " ShardStrategy(init_weights=PATH)."
+            " after every reset_parameters(), on the allocated shards), start from full weights with"
+            " ShardStrategy(init_weights=PATH), or build the model with its weights (a Fabric loop:"
+            " fabric.init_module() without empty_init=True)."
         )
 
 
