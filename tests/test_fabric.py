@@ -12,7 +12,7 @@ from lightning_shard import ShardFabricStrategy, ShardStrategy
 from lightning_shard._registry import NAMES
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._precision import FabricShardPrecision
-from lightning_shard.fabric.strategy import _rebind
+from lightning_shard.fabric._setup import rebind
 
 _NAMES = [
     pytest.param(name, marks=pytest.mark.deepspeed) if name == "zero2_offload" else name
@@ -137,15 +137,23 @@ def test_an_optimizer_built_before_setup_is_pointed_at_the_new_parameters_by_nam
     before, after = nn.Linear(2, 2), nn.Linear(2, 2)
     optimizer = torch.optim.SGD(before.parameters(), lr=0.1)
     names = {id(p): name for name, p in before.named_parameters()}
-    _rebind(optimizer, names, dict(after.named_parameters()))
+    rebind(optimizer, names, dict(after.named_parameters()))
     assert optimizer.param_groups[0]["params"] == list(after.parameters())
     with pytest.raises(ValueError, match="not the model's"):
-        _rebind(optimizer, {}, dict(after.named_parameters()))
+        rebind(optimizer, {}, dict(after.named_parameters()))
     stepped = torch.optim.Adam(before.parameters())
     before(torch.ones(1, 2)).sum().backward()
     stepped.step()
     with pytest.raises(ValueError, match="already stepped"):
-        _rebind(stepped, names, dict(after.named_parameters()))
+        rebind(stepped, names, dict(after.named_parameters()))
+    # Pipeline stages cut the other stages' parameters away: they leave the optimizer too; without a cut, a
+    # parameter gone from the model is an error.
+    partial = torch.optim.SGD(before.parameters(), lr=0.1)
+    kept = {"weight": after.weight}
+    with pytest.raises(ValueError, match="'bias' the optimizer holds is gone from the model"):
+        rebind(partial, names, kept)
+    rebind(partial, names, kept, cut=True)
+    assert partial.param_groups[0]["params"] == [after.weight]
 
 
 def test_a_fabric_state_maps_onto_the_trainer_checkpoint_layout():

@@ -33,6 +33,7 @@ from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._pipeline import FabricPipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
 from lightning_shard.fabric._processes import FabricProcesses
+from lightning_shard.fabric._setup import rebind, refuse_trainer_only
 from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor_parallel_mesh
 
 #: ShardStrategy's own flags (everything ``ShardConfig.from_flags`` takes but the DDP options).
@@ -65,7 +66,7 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
         return strategy
 
     def _init_from(self, config: ShardConfig) -> None:
-        _refuse_trainer_only(config)
+        refuse_trainer_only(config)
         self.config = config
         self._engine_class: type[Engine] = engine_class(config.engine)
         self._fabric_precision: FabricShardPrecision | None = None
@@ -184,7 +185,7 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
         live = dict(module.named_parameters())
         for optimizer in optimizers:
             # With pipeline stages, parameters of the other ranks' stages were cut away: they leave it too.
-            _rebind(optimizer, names, live, cut=self._pipeline is not None)
+            rebind(optimizer, names, live, cut=self._pipeline is not None)
         schedulers = [scheduler] if scheduler is not None else []
         model, optimizers = self.engine.setup_optimizers(model, list(optimizers), schedulers, TrainSettings())
         self._model = model
@@ -385,52 +386,3 @@ class _EngineNoSync(_BackwardSyncControl):
         if not enabled:
             return nullcontext()
         return self._strategy.engine.no_sync(module)
-
-
-def _rebind(
-    optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Parameter], cut: bool = False
-) -> None:
-    """Point ``optimizer`` at the parameters that replaced the ones it was built with (FSDP2 shards,
-    meta parameters allocated), by name; ``cut``: drop those the module no longer has (other stages')."""
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    "ShardFabricStrategy: the optimizer passed to fabric.setup holds a parameter that is not the model's."
-                    " Build it from model.parameters() of the model passed with it."
-                )
-            if optimizer.state.get(p):
-                raise ValueError(
-                    "ShardFabricStrategy: the optimizer passed to fabric.setup has already stepped; its state belongs"
-                    " to the unsharded parameters. Set it up before the first step, or load its state after setup"
-                    " with fabric.load."
-                )
-            if names[id(p)] in live:
-                params.append(live[names[id(p)]])
-            elif not cut:
-                raise ValueError(
-                    f"ShardFabricStrategy: the parameter {names[id(p)]!r} the optimizer holds is gone from the"
-                    " model after set-up. Build the optimizer from model.parameters() of the model passed with it."
-                )
-        group["params"] = params
-
-
-def _refuse_trainer_only(config: ShardConfig) -> None:
-    refused = [
-        (
-            "stage='auto'",
-            config.stage == "auto",
-            "it plans from the Trainer's model and batch. Pick stage=0-3"
-            " (`lightning-shard plan` recommends one)",
-        ),
-        (
-            "skip_nonfinite=True",
-            config.skip_nonfinite,
-            "it is a Trainer optimizer-step hook. In a Fabric loop,"
-            " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
-        ),
-    ]
-    for flag, hit, why in refused:
-        if hit:
-            raise ValueError(f"ShardFabricStrategy({flag}) is a Trainer-only flag: {why}.")

@@ -1,0 +1,58 @@
+"""What ShardFabricStrategy checks and fixes up when Fabric sets a model up: flags that are Trainer hooks,
+and an optimizer built before sharding, pointed at the parameters that replaced the ones it holds."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shard.config import ShardConfig
+
+
+def rebind(
+    optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Parameter], cut: bool = False
+) -> None:
+    """Point ``optimizer`` at the parameters that replaced the ones it was built with (FSDP2 shards,
+    meta parameters allocated), by name; ``cut``: drop those the module no longer has (other stages')."""
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    "ShardFabricStrategy: the optimizer passed to fabric.setup holds a parameter that is not the model's."
+                    " Build it from model.parameters() of the model passed with it."
+                )
+            if optimizer.state.get(p):
+                raise ValueError(
+                    "ShardFabricStrategy: the optimizer passed to fabric.setup has already stepped; its state belongs"
+                    " to the unsharded parameters. Set it up before the first step, or load its state after setup"
+                    " with fabric.load."
+                )
+            if names[id(p)] in live:
+                params.append(live[names[id(p)]])
+            elif not cut:
+                raise ValueError(
+                    f"ShardFabricStrategy: the parameter {names[id(p)]!r} the optimizer holds is gone from the"
+                    " model after set-up. Build the optimizer from model.parameters() of the model passed with it."
+                )
+        group["params"] = params
+
+
+def refuse_trainer_only(config: ShardConfig) -> None:
+    refused = [
+        (
+            "stage='auto'",
+            config.stage == "auto",
+            "it plans from the Trainer's model and batch. Pick stage=0-3"
+            " (`lightning-shard plan` recommends one)",
+        ),
+        (
+            "skip_nonfinite=True",
+            config.skip_nonfinite,
+            "it is a Trainer optimizer-step hook. In a Fabric loop,"
+            " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
+        ),
+    ]
+    for flag, hit, why in refused:
+        if hit:
+            raise ValueError(f"ShardFabricStrategy({flag}) is a Trainer-only flag: {why}.")
