@@ -78,6 +78,26 @@ def predict_inputs(module: L.LightningModule, batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
+def pipeline_rank(mesh: Any) -> int | None:
+    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
+    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
+
+
+def cut_to_stages(module: Any, config: ShardConfig, rank: int, owner: str) -> tuple[ShardConfig, StagePlan]:
+    """Keep only pipeline rank ``rank``'s stages of ``module``, before anything shards it; the config (with
+    the block classes to shard, detected on the whole model where not given) and the plan that cut it."""
+    if config.shard_modules is None:
+        # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
+        config = config.replace(shard_modules=detect_block_classes(module) or None)
+    total = config.pipeline_parallel_size * config.stages_per_rank
+    plan = plan_stages(module, total, config.pipeline_split_points)
+    own = stages_of_rank(rank, config.pipeline_parallel_size, config.stages_per_rank)
+    keep_stage(module, plan, own)
+    for stage in own:
+        log.info("%s: pipeline stage %d of %d holds %s", owner, stage, total, list(plan.blocks_of(stage)))
+    return config, plan
+
+
 def stage_runner(
     model: Any, config: ShardConfig, rank: int, device: Any, mesh: Any, loss_fn: Any, plan: StagePlan | None
 ) -> StageRunner:
@@ -107,8 +127,7 @@ class PipelineSteps(EngineSteps):
     @property
     def pipeline_stage(self) -> int | None:
         """This rank's pipeline stage (``None`` without pipeline stages)."""
-        mesh = self.device_mesh
-        return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
+        return pipeline_rank(self.device_mesh)
 
     def _cut_to_stage(self) -> None:
         """Before the engine shards the module: keep only this rank's stages of it (once per module)."""
@@ -124,19 +143,12 @@ class PipelineSteps(EngineSteps):
                 " precision='bf16-mixed', or pipeline_parallel_size=1."
             )
         if self.config.shard_modules is None:
-            # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
+            # Detected on the whole model, also when a later Trainer call finds the module already cut.
             self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
         if getattr(module, _STAGE, None) is not None:
             return
-        total = stages * self.config.stages_per_rank
-        plan: StagePlan = plan_stages(module, total, self.config.pipeline_split_points)
-        own = stages_of_rank(rank, stages, self.config.stages_per_rank)
-        keep_stage(module, plan, own)
+        self.config, plan = cut_to_stages(module, self.config, rank, "ShardStrategy")
         setattr(module, _STAGE, plan)
-        for stage in own:
-            log.info(
-                "ShardStrategy: pipeline stage %d of %d holds %s", stage, total, list(plan.blocks_of(stage))
-            )
 
     def _build_stage_runner(self) -> None:
         """After the engine has wrapped the module: the stage and the schedule that run it."""

@@ -4,8 +4,7 @@ Callbacks reach the other ranks only through ``trainer.strategy.all_gather`` (Li
 contract), so they work under DDP, FSDP2, DeepSpeed or any other strategy and never import an engine.
 A Lightning Fabric has the same ``strategy``, ``world_size`` and ``loggers``, so a Fabric loop drives the
 same callbacks through ``fabric.call(hook, trainer=fabric, pl_module=model, ...)`` (docs/fabric.md); what
-only a Trainer has
-(the global step, its precision string) is read here with the Fabric's equivalent.
+only a Trainer has (the global step, its precision string) is read here with the Fabric's equivalent.
 """
 
 from __future__ import annotations

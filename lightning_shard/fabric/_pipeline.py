@@ -11,22 +11,18 @@ cut, the schedule and the stage runner are the Trainer strategy's (:mod:`lightni
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_shard._modules import detect_block_classes
-from lightning_shard._pipeline_steps import PIPELINE_KEY, stage_runner
+from lightning_shard._pipeline_steps import PIPELINE_KEY, cut_to_stages, pipeline_rank, stage_runner
 from lightning_shard._processes import guarded
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.config import ShardConfig
-from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
+from lightning_shard.pipeline import StageRunner
 from lightning_shard.pipeline.split import StagePlan
-
-log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -46,8 +42,7 @@ class FabricPipeline:
     @property
     def pipeline_stage(self) -> int | None:
         """This rank's pipeline stage (``None`` without pipeline stages)."""
-        names = self.device_mesh.mesh_dim_names or ()
-        return self.device_mesh["pp"].get_local_rank() if "pp" in names else None
+        return pipeline_rank(self.device_mesh)
 
     def _cut_to_stage(self, module: nn.Module) -> bool:
         """Before the engine shards ``module``: keep only this rank's stages. True when the config changed
@@ -61,23 +56,8 @@ class FabricPipeline:
                 " Fabric(precision='16-mixed'): the schedule's per-microbatch backward would skip the loss"
                 " scaler. Use precision='bf16-mixed', or pipeline_parallel_size=1."
             )
-        changed = False
-        if self.config.shard_modules is None:
-            # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
-            self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
-            changed = self.config.shard_modules is not None
-        total = stages * self.config.stages_per_rank
-        plan = plan_stages(module, total, self.config.pipeline_split_points)
-        own = stages_of_rank(rank, stages, self.config.stages_per_rank)
-        keep_stage(module, plan, own)
-        self._plan = plan
-        for stage in own:
-            log.info(
-                "ShardFabricStrategy: pipeline stage %d of %d holds %s",
-                stage,
-                total,
-                list(plan.blocks_of(stage)),
-            )
+        config, self._plan = cut_to_stages(module, self.config, rank, "ShardFabricStrategy")
+        changed, self.config = config != self.config, config
         return changed
 
     def _build_stage_runner(self, model: nn.Module) -> None:
