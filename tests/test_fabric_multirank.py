@@ -58,7 +58,8 @@ def _fabric_run(
     """The plain Fabric loop: micro-batches without gradient sync, clip, step; the loss averaged over ranks."""
     model = _sgd_gpt()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
-    tp = fabric.strategy.config.tensor_parallel_size  # type: ignore[attr-defined]
+    config = getattr(fabric.strategy, "config", None)  # None under Lightning's own strategies
+    tp = config.tensor_parallel_size if config is not None else 1
     data = fabric.setup_dataloaders(loader(4, tensor_parallel_size=tp), use_distributed_sampler=False)
     losses = []
     for i, (x, y) in enumerate(data):
@@ -460,3 +461,22 @@ def test_pipeline_stages_in_a_fabric_loop_match_the_trainer_and_their_checkpoint
         assert sorted(rank["loaded_without_stages"]) == sorted(merged)
         for key, value in merged.items():
             torch.testing.assert_close(rank["loaded_without_stages"][key], value, rtol=0, atol=0, msg=key)
+
+
+def _ddp_side_by_side_job() -> dict:
+    """The same Fabric loop under Lightning's own DDPStrategy and under ShardFabricStrategy at stages 0 and 3."""
+    ddp = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    ddp.launch()
+    return {
+        "ddp": _fabric_losses(ddp, 2, CLIP),
+        "stage0": _fabric_losses(_fabric(0), 2, CLIP),
+        "stage3": _fabric_losses(_fabric(3), 2, CLIP),
+    }
+
+
+def test_the_same_fabric_loop_gives_lightnings_ddp_answer():
+    for rank in run_ranks(_ddp_side_by_side_job):
+        for stage in ("stage0", "stage3"):
+            torch.testing.assert_close(
+                rank[stage], rank["ddp"], rtol=1e-5, atol=0, msg=lambda m, s=stage: f"{s}: {m}"
+            )
