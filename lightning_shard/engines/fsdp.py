@@ -40,6 +40,7 @@ from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._units import sharding_units
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
@@ -151,6 +152,8 @@ class FSDPEngine(Engine):
             ]
             rebind_schedulers(schedulers, optimizers, sharded)
             optimizers = sharded
+        for optimizer in optimizers:
+            step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
         _compat.optimizers_to_device(optimizers, self.run.device)
         return model, optimizers
 
