@@ -132,6 +132,30 @@ def fsdp_is_unsharded(module: Any) -> bool:
     return group is not None and bool(group.is_unsharded)
 
 
+def fsdp_keep_gathered_after_nested_forward(root: Any) -> None:
+    """Have the root keep its parameters gathered to backward when its forward ran inside its own forward.
+
+    A ``training_step`` routed through the root's forward that calls ``self(x)`` runs the root's forward
+    twice, nested. The inner call's end leaves the root's group idle, so the outer call's end reshards it
+    whatever ``reshard_after_forward`` says, and backward gathers it again: one more all-gather of the
+    root's parameters (embeddings and head, often a third of a language model) every step. Marking the
+    still-gathered group as in forward again lets the outer end keep it, as a single forward would.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        groups = root._get_fsdp_state()._fsdp_param_groups
+    except (ImportError, AttributeError):  # pragma: no cover  (a release that moved them: one more gather)
+        return
+    for group in groups:
+        if (
+            group._training_state == TrainingState.IDLE
+            and group.is_unsharded
+            and not group._reshard_after_forward
+        ):
+            group._training_state = TrainingState.FORWARD
+
+
 def queue_fsdp_post_backward(root: Any) -> None:
     """From inside a backward: have FSDP2 reduce every gathered group's gradients when it ends.
 

@@ -75,12 +75,23 @@ def step_on_local_shards(optimizer: Optimizer) -> bool:
     return True
 
 
-def _exact_on_shards(optimizer: Optimizer) -> bool:
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+def _has_step_hooks(optimizer: Optimizer) -> bool:
+    """Step hooks on this optimizer or on every optimizer. torch keeps both under private names: where
+    one cannot be read, hooks are assumed and the DTensor step kept."""
+    import torch.optim.optimizer as torch_optimizer
 
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return False
-    if _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
+    hooks = [
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+    ]
+    return any(h is None or len(h) > 0 for h in hooks)
+
+
+@torch.no_grad()
+def _exact_on_shards(optimizer: Optimizer) -> bool:
+    if _has_step_hooks(optimizer):
         return False
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -89,7 +100,7 @@ def _exact_on_shards(optimizer: Optimizer) -> bool:
                 continue
             if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.is_sparse:
                 return False
-            local, shard = grad._local_tensor, p._local_tensor
+            local, shard = grad.to_local(), p.to_local()
             if local.shape != shard.shape or local.dtype != shard.dtype or local.device != shard.device:
                 return False
     return True
@@ -97,42 +108,55 @@ def _exact_on_shards(optimizer: Optimizer) -> bool:
 
 @contextmanager
 def _on_shards(optimizer: Optimizer) -> Generator[None, None, None]:
-    """Inside: the optimizer's groups and state hold the local shards (the same storage)."""
-    state = optimizer.state
+    """Inside: the optimizer's groups and state hold the local shards (the same storage).
+
+    Under ``no_grad``, ``DTensor.to_local()`` is the local tensor itself, with no autograd op around it.
+    """
     swapped: list[tuple[dict[str, Any], list[Any]]] = []
     shards: list[tuple[DTensor, torch.Tensor, dict[str, Any]]] = []
     try:
-        for group in optimizer.param_groups:
-            params = group["params"]
-            local = []
-            for p in params:
-                if not isinstance(p, DTensor):
-                    local.append(p)
-                    continue
-                shard = p._local_tensor
-                shard.grad = None if p.grad is None else p.grad._local_tensor  # type: ignore[attr-defined]
-                before = state.pop(p, {})
-                state[shard] = {
-                    k: v._local_tensor if isinstance(v, DTensor) else v for k, v in before.items()
-                }
-                shards.append((p, shard, before))
-                local.append(shard)
-            swapped.append((group, params))
-            group["params"] = local
+        with torch.no_grad():
+            _swap_in(optimizer, swapped, shards)
         yield
     finally:
         for group, params in swapped:
             group["params"] = params
-        for p, shard, before in shards:
-            shard.grad = None
-            after = state.pop(shard, {})
-            if after or before:
-                state[p] = {k: _as_dtensor(v, p, shard, before.get(k)) for k, v in after.items()}
+        with torch.no_grad():
+            for p, shard, before in shards:
+                shard.grad = None
+                after = optimizer.state.pop(shard, {})
+                if after or before:
+                    optimizer.state[p] = {
+                        k: _as_dtensor(v, p, shard, before.get(k)) for k, v in after.items()
+                    }
+
+
+def _swap_in(
+    optimizer: Optimizer,
+    swapped: list[tuple[dict[str, Any], list[Any]]],
+    shards: list[tuple[DTensor, torch.Tensor, dict[str, Any]]],
+) -> None:
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        params = group["params"]
+        local = []
+        for p in params:
+            if not isinstance(p, DTensor):
+                local.append(p)
+                continue
+            shard = p.to_local()
+            shard.grad = None if p.grad is None else p.grad.to_local()  # type: ignore[attr-defined]
+            before = state.pop(p, {})
+            state[shard] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in before.items()}
+            shards.append((p, shard, before))
+            local.append(shard)
+        swapped.append((group, params))
+        group["params"] = local
 
 
 def _as_dtensor(value: Any, p: DTensor, shard: torch.Tensor, before: Any) -> Any:
     """A state entry back in the parameter's placement (the same DTensor object where it was one)."""
-    if isinstance(before, DTensor) and before._local_tensor is value:
+    if isinstance(before, DTensor) and before.to_local() is value:
         return before
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
         return DTensor.from_local(

@@ -40,6 +40,7 @@ from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.engines._gloo import use_all_to_all_reduce_scatter
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._units import sharding_units
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
@@ -50,6 +51,22 @@ from lightning_shard.parallel import apply_tensor_parallel
 _TP_APPLIED = "_lightning_shard_tensor_parallel"
 
 log = logging.getLogger(__name__)
+
+
+class _ForwardRedirection(_compat.DDPForwardRedirection):
+    """Lightning's DDP redirection, and FSDP2's root kept gathered to backward after a nested forward."""
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
+        super().on_after_inner_forward(wrapper_module, original_module)
+        from torch.distributed.fsdp import FSDPModule
+
+        # Only where a backward follows the forward (a manual backward inside the step has run already).
+        if (
+            isinstance(wrapper_module, FSDPModule)
+            and torch.is_grad_enabled()
+            and original_module.automatic_optimization
+        ):
+            _compat.fsdp_keep_gathered_after_nested_forward(wrapper_module)
 
 
 class FSDPEngine(Engine):
@@ -71,7 +88,7 @@ class FSDPEngine(Engine):
 
     # With manual optimization the backward runs inside the step, before DDP's forward returns: this
     # redirection keeps DDP from arming its reducer a second time after the step.
-    forward_redirection = _compat.DDPForwardRedirection()
+    forward_redirection = _ForwardRedirection()
 
     def routes_through_forward(self, model: nn.Module, module: nn.Module) -> bool:
         # DDP wraps the module; FSDP2 shards it in place but hooks the root module's forward.
@@ -192,11 +209,16 @@ class FSDPEngine(Engine):
             "offload_policy": self._offload_policy(),
         }
         plain = self.run.tp_mesh is None and self.config.pipeline_parallel_size == 1
-        for unit in sharding_units(blocks, group=self.stage == 2 and plain):
-            fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
+        units = [
+            fully_shard(u if len(u) > 1 else u[0], **kwargs)
+            for u in sharding_units(blocks, group=self.stage == 2 and plain)
+        ]
         # The root's parameters are needed again as soon as backward starts: resharding them after
         # forward only buys a second all-gather (FSDP2's own default for the root).
-        fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+        units.append(fully_shard(module, **{**kwargs, "reshard_after_forward": False}))
+        for unit in units:
+            # On gloo (CPU ranks) only. The modules of a grouped unit share one state.
+            use_all_to_all_reduce_scatter(unit[0] if isinstance(unit, list) else unit)
         return module
 
     def _offload_policy(self) -> Any:
