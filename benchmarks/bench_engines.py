@@ -99,6 +99,7 @@ def main() -> None:
         "benchmark": "step time / RSS / state bytes, 2 CPU ranks (gloo), GPT"
         f" {model['n_layers']}x{model['d_model']} seq {model['seq_len']} batch 4/rank",
         "median_step_ms": median_ms,
+        "step_ms_per_round": {n: [r["step_s"] * 1000 for r in runs] for n, runs in raw.items()},
         "rounds": args.rounds,
         "fsdp_over_deepspeed": {
             f"stage{s}": median_ms[f"fsdp_stage{s}"] / median_ms[f"deepspeed_stage{s}"] for s in pairs

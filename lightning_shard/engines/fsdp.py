@@ -40,9 +40,8 @@ from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
-from lightning_shard.engines._gloo import use_all_to_all_reduce_scatter
+from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
-from lightning_shard.engines._units import sharding_units
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
 from lightning_shard.parallel import apply_tensor_parallel
@@ -51,22 +50,6 @@ from lightning_shard.parallel import apply_tensor_parallel
 _TP_APPLIED = "_lightning_shard_tensor_parallel"
 
 log = logging.getLogger(__name__)
-
-
-class _ForwardRedirection(_compat.DDPForwardRedirection):
-    """Lightning's DDP redirection, and FSDP2's root kept gathered to backward after a nested forward."""
-
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
-        super().on_after_inner_forward(wrapper_module, original_module)
-        from torch.distributed.fsdp import FSDPModule
-
-        # Only where a backward follows the forward (a manual backward inside the step has run already).
-        if (
-            isinstance(wrapper_module, FSDPModule)
-            and torch.is_grad_enabled()
-            and original_module.automatic_optimization
-        ):
-            _compat.fsdp_keep_gathered_after_nested_forward(wrapper_module)
 
 
 class FSDPEngine(Engine):
@@ -88,7 +71,7 @@ class FSDPEngine(Engine):
 
     # With manual optimization the backward runs inside the step, before DDP's forward returns: this
     # redirection keeps DDP from arming its reducer a second time after the step.
-    forward_redirection = _ForwardRedirection()
+    forward_redirection = ForwardRedirection()
 
     def routes_through_forward(self, model: nn.Module, module: nn.Module) -> bool:
         # DDP wraps the module; FSDP2 shards it in place but hooks the root module's forward.
@@ -175,62 +158,15 @@ class FSDPEngine(Engine):
         return model, optimizers
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if isinstance(module, FSDPModule):
-            # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
-            # fully_shard may be applied once per module, and the shards already hold the weights. An
-            # evaluation forward at stage 2 leaves parameters gathered: reshard, so that optimizers
-            # built next hold the sharded parameters. The process groups FSDP cached were destroyed at
-            # the last call's teardown: point it at the ones made for this call.
-            _compat.refresh_fsdp_groups(module)
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.reshard()
-            return module
-
-        classes = self.config.shard_modules or detect_block_classes(module)
-        blocks = find_blocks(module, classes) if classes else []
-        if self.config.shard_modules and not blocks:
-            names = ", ".join(c.__qualname__ for c in self.config.shard_modules)
-            raise ValueError(
-                f"ShardStrategy(shard_modules={{{names}}}) matches no submodule of {type(module).__name__}."
-                " Name the class of the model's repeated blocks, or pass shard_modules=None to detect it."
-            )
-        if not blocks:
-            log.info(
-                "ShardStrategy: no repeated block class found; %s is one sharding unit.",
-                type(module).__name__,
-            )
-        kwargs: dict[str, Any] = {
-            "mesh": self.mesh,
-            "reshard_after_forward": self.stage == 3,
-            "mp_policy": self.precision.fsdp_mp_policy(),
-            "offload_policy": self._offload_policy(),
-        }
         plain = self.run.tp_mesh is None and self.config.pipeline_parallel_size == 1
-        units = [
-            fully_shard(u if len(u) > 1 else u[0], **kwargs)
-            for u in sharding_units(blocks, group=self.stage == 2 and plain)
-        ]
-        # The root's parameters are needed again as soon as backward starts: resharding them after
-        # forward only buys a second all-gather (FSDP2's own default for the root).
-        units.append(fully_shard(module, **{**kwargs, "reshard_after_forward": False}))
-        for unit in units:
-            # On gloo (CPU ranks) only. The modules of a grouped unit share one state.
-            use_all_to_all_reduce_scatter(unit[0] if isinstance(unit, list) else unit)
-        return module
-
-    def _offload_policy(self) -> Any:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        if self.config.offload_params != "cpu":
-            return OffloadPolicy()
-        # Pinned host memory speeds host-device copies; on a CPU-only run there are none to speed up.
-        pin = (
-            self.config.pin_memory if self.config.pin_memory is not None else self.mesh.device_type == "cuda"
+        return fully_shard_model(
+            module,
+            self.config,
+            self.mesh,
+            self.precision.fsdp_mp_policy(),
+            self.stage,
+            group=self.stage == 2 and plain,
         )
-        return CPUOffloadPolicy(pin_memory=bool(pin))
 
     def _ddp(self, module: nn.Module) -> nn.Module:
         from lightning_shard import _ddp
