@@ -89,8 +89,9 @@ def _has_step_hooks(optimizer: Optimizer) -> bool:
     return any(h is None or len(h) > 0 for h in hooks)
 
 
-@torch.no_grad()
 def _exact_on_shards(optimizer: Optimizer) -> bool:
+    """No step hooks, and every gradient laid out as its parameter: the same mesh, placements, global shape
+    (hence the same local shape), dtype and device. Read from the DTensors' metadata alone."""
     if _has_step_hooks(optimizer):
         return False
     for group in optimizer.param_groups:
@@ -98,10 +99,11 @@ def _exact_on_shards(optimizer: Optimizer) -> bool:
             grad = p.grad
             if grad is None or not isinstance(p, DTensor):
                 continue
-            if not isinstance(grad, DTensor) or grad.placements != p.placements or grad.is_sparse:
+            if not isinstance(grad, DTensor) or grad.is_sparse:
                 return False
-            local, shard = grad.to_local(), p.to_local()
-            if local.shape != shard.shape or local.dtype != shard.dtype or local.device != shard.device:
+            if (grad.device_mesh, grad.placements, grad.shape) != (p.device_mesh, p.placements, p.shape):
+                return False
+            if grad.dtype != p.dtype or grad.device != p.device:
                 return False
     return True
 
