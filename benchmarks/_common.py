@@ -30,7 +30,8 @@ def token_loader(steps: int, batch_size: int = 4, world_size: int = 2) -> DataLo
 
 
 class StepTimer(L.Callback):
-    """Wall time of each training batch, from batch start to batch end."""
+    """Wall time of each training batch, from batch start to batch end; on CUDA each batch ends with a
+    device sync, so a step's time is the device's, not the launch queue's."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -39,6 +40,9 @@ class StepTimer(L.Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        trainer = args[0] if args else None  # a Fabric loop calls it with no arguments
+        if trainer is not None and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
 
 

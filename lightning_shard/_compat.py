@@ -156,6 +156,31 @@ def fsdp_keep_gathered_after_nested_forward(root: Any) -> None:
             group._training_state = TrainingState.FORWARD
 
 
+def dynamo_skips_for_dispatch_mode() -> bool:
+    """Whether dynamo would refuse to compile a frame now, for a torch dispatch mode on the stack.
+
+    Dynamo runs such a frame eagerly and remembers the refusal on its code object for good: a compiled
+    block whose first call meets a FLOP counter (``MFUMonitor``'s first step) never compiles after it.
+    The checks are dynamo's own: modes that are infra or ignore compile internals (selective activation
+    checkpointing's) do not count.
+    """
+    try:
+        import torch._dynamo.config as dynamo_config
+        from torch.utils import _python_dispatch as dispatch
+
+        if getattr(dynamo_config, "inline_torch_dispatch_torch_compile", False):
+            return bool(dispatch.any_torch_dispatch_mode_on_stack())
+        return bool(dispatch.is_in_any_mode_without_ignore_compile_internals())
+    except (ImportError, AttributeError):  # pragma: no cover  (an older release: any user mode counts)
+        return dynamo_skips_for_dispatch_mode_fallback()
+
+
+def dynamo_skips_for_dispatch_mode_fallback() -> bool:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 def queue_fsdp_post_backward(root: Any) -> None:
     """From inside a backward: have FSDP2 reduce every gathered group's gradients when it ends.
 

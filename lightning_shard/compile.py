@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_shard._compat import dynamo_skips_for_dispatch_mode
+
 log = logging.getLogger(__name__)
 
 #: ``torch.compile`` keyword arguments ``compile={...}`` may carry (the model is the block).
@@ -74,6 +76,10 @@ class CompiledForward:
         global _recompiles
         from torch._dynamo.utils import counters
 
+        if dynamo_skips_for_dispatch_mode():
+            # Under a FLOP counter or another user dispatch mode dynamo would not compile, and would
+            # never compile this forward after: run it eagerly, as dynamo would, without asking.
+            return self.inner(*args, **kwargs)
         if self._compiled is None:
             self._compiled = torch.compile(self.inner, **self.kwargs)
         regime, before = torch.is_grad_enabled(), counters["frames"]["total"]

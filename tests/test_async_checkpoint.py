@@ -199,3 +199,28 @@ def test_an_exception_checkpoint_of_the_same_step_is_written_not_linked(tmp_path
     assert (tmp_path / "last.ckpt").is_symlink()
     exception = tmp_path / "on_exception.ckpt"
     assert exception.is_dir() and not exception.is_symlink() and (exception / ".metadata").is_file()
+
+
+def test_each_async_save_holds_its_own_step(tmp_path):
+    """A save returns once the state is copied: each checkpoint holds the values of its own step, though
+    training changes the tensor in place while the write runs."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_shard.checkpoint.async_save import AsyncCheckpointer
+
+    def nothing() -> None:
+        return None
+
+    checkpointer = AsyncCheckpointer(is_rank0=True)
+    weight = torch.zeros(1000)
+    for step in range(1, 4):
+        weight.fill_(step)
+        checkpointer.save(
+            {"model": {"w": weight}}, {"global_step": step}, tmp_path / f"s{step}.ckpt", nothing
+        )
+        weight.fill_(-1.0)  # training goes on while the write runs
+    checkpointer.close()
+    for step in range(1, 4):
+        loaded = {"model": {"w": torch.empty(1000)}}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / f"s{step}.ckpt"), no_dist=True)
+        assert torch.equal(loaded["model"]["w"], torch.full((1000,), float(step)))

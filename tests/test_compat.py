@@ -133,3 +133,17 @@ def test_keeping_the_root_gathered_falls_back_to_nothing_without_fsdp_state():
     # A module without FSDP2's private state (or a release that moved it): nothing changes, no error.
     module = torch.nn.Linear(2, 2)
     assert _compat.fsdp_keep_gathered_after_nested_forward(module) is None
+
+
+def test_dynamo_dispatch_mode_skip_check_and_its_fallback_match():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import FlopCounterMode
+
+    checks = (_compat.dynamo_skips_for_dispatch_mode, _compat.dynamo_skips_for_dispatch_mode_fallback)
+    assert [check() for check in checks] == [False, False]
+    with FlopCounterMode(display=False):
+        assert [check() for check in checks] == [True, True]
+    # selective activation checkpointing's modes ignore compile internals: dynamo compiles under them
+    forward, _ = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: None)
+    with forward:
+        assert _compat.dynamo_skips_for_dispatch_mode() is False

@@ -20,7 +20,9 @@ from tests.helpers import LossRecorder, tiny_gpt, token_dataset, trainer_kwargs
 COMPILE_RTOL = 1e-5
 
 
-def _fit(stage: int = 3, dropout: float = 0.1, **flags: Any) -> dict[str, Any]:
+def _fit(
+    stage: int = 3, dropout: float = 0.1, callbacks: list[L.Callback] = (), **flags: Any
+) -> dict[str, Any]:
     # Dropout on, as users have it. Inductor draws its own random numbers (set
     # torch._inductor.config.fallback_random for eager's), so its parity run has none.
     model = tiny_gpt(n_layers=2, dropout=dropout)
@@ -28,7 +30,7 @@ def _fit(stage: int = 3, dropout: float = 0.1, **flags: Any) -> dict[str, Any]:
     trainer = L.Trainer(
         devices=1,
         strategy=ShardStrategy(stage=stage, **flags),
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         **trainer_kwargs(max_steps=4),
     )
     from torch._dynamo.utils import counters
@@ -84,6 +86,33 @@ def test_compiled_blocks_follow_eager_without_recompiles(flags):
     assert compiled["graphs"] >= 1 and eager["graphs"] == 0  # dynamo really ran
     assert compiled["recompiles"] == 0
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=COMPILE_RTOL, atol=0)
+
+
+def test_blocks_compile_after_mfu_monitor_counts_the_first_step():
+    """MFUMonitor counts the first step's FLOPs under a dispatch mode, where dynamo does not compile and
+    remembers that for the code for good: the blocks run that step eagerly and compile from the next."""
+    from lightning_shard.callbacks import MFUMonitor
+
+    eager_monitor, compiled_monitor = MFUMonitor(peak_flops=1e12), MFUMonitor(peak_flops=1e12)
+    eager = _fit(3, dropout=0.0, callbacks=[eager_monitor])
+    compiled = _fit(3, dropout=0.0, callbacks=[compiled_monitor], compile={"backend": "aot_eager"})
+    assert compiled["graphs"] >= 1 and compiled["recompiles"] == 0
+    assert compiled_monitor.counted["model_flops"] == eager_monitor.counted["model_flops"] > 0
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=COMPILE_RTOL, atol=0)
+
+
+def test_mfu_monitor_leaves_a_users_compiled_module_compiled():
+    """Any strategy: a submodule the user compiled runs eagerly in the counted step, compiled after it."""
+    from torch._dynamo.utils import counters
+
+    from lightning_shard.callbacks import MFUMonitor
+
+    model = tiny_gpt(n_layers=2)
+    model.model.blocks[0].compile(backend="eager")
+    trainer = L.Trainer(devices=1, callbacks=[MFUMonitor(peak_flops=1e12)], **trainer_kwargs(max_steps=3))
+    frames = counters["frames"]["ok"]
+    trainer.fit(model, DataLoader(token_dataset(32), batch_size=8))
+    assert counters["frames"]["ok"] > frames
 
 
 def test_a_recompile_is_counted_and_reported():

@@ -157,6 +157,12 @@ class StepFlopCounter(FlopCounterMode):
         return self.model_flops + self.by_phase["recompute"]
 
 
+def _force_eager() -> Any:
+    """``torch.compiler.set_stance("force_eager")``, entered; None on a torch without it."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return None if set_stance is None else set_stance("force_eager")
+
+
 class FirstStepFlops:
     """The FLOPs of the first training step, counted while it runs and scaled to later batches.
 
@@ -170,6 +176,7 @@ class FirstStepFlops:
         self.counted: dict[str, float] | None = None
         self._counter: StepFlopCounter | None = None
         self._units = 0.0
+        self._stance: Any = None
 
     def reset(self) -> None:
         self.abort()
@@ -180,6 +187,9 @@ class FirstStepFlops:
             return
         samples, tokens = batch_shape(batch)
         self._units = float(tokens or samples)
+        # Compiled code runs eagerly while counted: dynamo does not compile under a dispatch mode, and a
+        # function it met under one is never compiled afterwards (MFUMonitor would turn compile off).
+        self._stance = _force_eager()
         self._counter = StepFlopCounter().__enter__()
 
     def stop(self) -> bool:
@@ -188,6 +198,7 @@ class FirstStepFlops:
         if counter is None:
             return False
         counter.__exit__(None, None, None)
+        self._restore_stance()
         self.counted = {
             "model_flops": counter.model_flops,
             "hardware_flops": counter.hardware_flops,
@@ -201,6 +212,12 @@ class FirstStepFlops:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
+            self._restore_stance()
+
+    def _restore_stance(self) -> None:
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)
 
     def scaled(self, batch: Any, key: str = "model_flops") -> float | None:
         """``counted[key]`` scaled to ``batch``'s token count; None before the count or for an empty one."""
