@@ -46,6 +46,21 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
+class SaveEvery(L.Callback):
+    """``trainer.save_checkpoint`` every ``every`` steps (0: never) into ``directory``; the wall time each
+    call blocked the loop."""
+
+    def __init__(self, every: int, directory: str) -> None:
+        self.every, self.directory = every, directory
+        self.blocked: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.every and trainer.global_step % self.every == 0:
+            t0 = time.perf_counter()
+            trainer.save_checkpoint(f"{self.directory}/step{trainer.global_step}.ckpt")
+            self.blocked.append(time.perf_counter() - t0)
+
+
 class Profile(L.Callback):
     """torch.profiler over training batches ``start`` .. ``start + steps - 1``: a chrome trace (rank 0) and
     the ops with the most self CPU time, for finding where a step goes instead of guessing."""

@@ -21,7 +21,7 @@ import time
 
 import lightning as L
 import torch
-from _common import cpu_trainer, interleaved, write_report
+from _common import SaveEvery, cpu_trainer, interleaved, write_report
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader, TensorDataset
@@ -46,18 +46,6 @@ class Wide(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class SaveEvery(L.Callback):
-    def __init__(self, every: int, directory: str) -> None:
-        self.every, self.directory = every, directory
-        self.blocked: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.every and trainer.global_step % self.every == 0:
-            t0 = time.perf_counter()
-            trainer.save_checkpoint(f"{self.directory}/step{trainer.global_step}.ckpt")
-            self.blocked.append(time.perf_counter() - t0)
 
 
 def _run(mode: str, steps: int, every: int, depth: int) -> dict[str, float | list[float]]:

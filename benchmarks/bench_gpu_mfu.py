@@ -7,11 +7,13 @@ with ``ShardStrategy(stage=3)``, ``precision="bf16-mixed"``, the model built on 
 - the median step time over the steps after ``--warmup`` (each step ends with a device sync);
 - MFU against the datasheet peak (989 TFLOP/s dense bf16 on an H100 SXM / H200) and against a bf16
   8192^3 matmul measured on the same device in the same run, from two FLOP counts: the PaLM formula
-  (6 N per token plus 12 L d s per token for attention, N without embeddings) and ``MFUMonitor``'s count
+  (6 N per token plus 12 L d s per token for attention; N: the blocks' parameters and the head's matmul) and ``MFUMonitor``'s count
   of the ops the first step ran;
 - where the device time of ``--profile-steps`` profiled steps goes: kernel time by kind (matmul,
   attention, elementwise / norm, optimizer, copies, communication) and the time no kernel ran;
-- the chrome trace of those steps (gzipped) next to the JSON.
+- the chrome trace of those steps (gzipped) next to the JSON;
+- with ``--saves sync async``: the same run saving a sharded checkpoint every ``--save-every`` steps, the
+  time each save blocked the loop and the run's wall time against the run without saves.
 
     python benchmarks/bench_gpu_mfu.py --out benchmarks/results/gpu_mfu.json
     python benchmarks/bench_gpu_mfu.py --device cpu --layers 2 --d-model 64 --heads 2 --seq 32 \\
@@ -35,7 +37,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _common import StepTimer
+from _common import SaveEvery, StepTimer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard import ShardStrategy
@@ -161,20 +163,6 @@ def token_loader(model: dict[str, Any], batch: int, steps: int) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model["vocab_size"], (batch * steps, model["seq_len"] + 1), generator=g)
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, pin_memory=True)
-
-
-class SaveEvery(L.Callback):
-    """``trainer.save_checkpoint`` every ``every`` steps into ``directory``; the time each call blocked."""
-
-    def __init__(self, every: int, directory: str) -> None:
-        self.every, self.directory = every, directory
-        self.blocked: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step % self.every == 0:
-            t0 = time.perf_counter()
-            trainer.save_checkpoint(f"{self.directory}/step{trainer.global_step}.ckpt")
-            self.blocked.append(time.perf_counter() - t0)
 
 
 def run_names(args: argparse.Namespace) -> list[str]:

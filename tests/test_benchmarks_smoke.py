@@ -135,14 +135,17 @@ def test_bench_async_checkpoint_smoke(tmp_path):
 
 
 def test_bench_gpu_mfu_smoke(tmp_path):
-    """The GPU MFU benchmark at a toy size on CPU, compiled: its PaLM FLOP count agrees with MFUMonitor's
-    count of the ops the step ran, no block recompiles, and the profiled steps' trace is written."""
+    """The GPU MFU benchmark at a toy size on CPU, compiled, with async saves: its PaLM FLOP count agrees
+    with MFUMonitor's count of the ops the step ran, no block recompiles, the saves are timed, and the
+    profiled steps' trace is written."""
     out = tmp_path / "gpu_mfu.json"
     args = ("--device", "cpu", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32")
     args += ("--vocab", "128", "--batch", "2", "--steps", "4", "--warmup", "2", "--profile-steps", "1")
-    run = run_benchmark("bench_gpu_mfu.py", *args, "--modes", "compiled", "--out", str(out))
+    args += ("--modes", "compiled", "--saves", "async", "--save-every", "2", "--save-dir", str(tmp_path))
+    run = run_benchmark("bench_gpu_mfu.py", *args, "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())["results"]["compiled"]
+    result = json.loads(out.read_text())["results"]["compiled+async_save"]
+    assert len(result["blocked_s_per_save"]) == 2 and result["checkpoint_gb"] > 0 and result["run_s"] > 0
     assert result["recompiles"] == 0 and result["dynamo_graphs"] >= 1  # compiled, also under MFUMonitor
     assert len(result["step_ms"]) == 5 and result["step_ms_median"] > 0
     assert result["counted_tflops_per_step"] == pytest.approx(result["palm_tflops_per_step"], rel=0.05)
