@@ -7,7 +7,9 @@ installed ``lightning_shard.demos``.
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,20 @@ from torch.utils.data import DataLoader, TensorDataset
 MODEL = dict(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=4)
 
 
-def token_loader(steps: int, batch_size: int = 4, world_size: int = 2) -> DataLoader:
-    """Random tokens, enough for ``steps`` steps on each of ``world_size`` ranks."""
+def token_loader(
+    steps: int, batch_size: int = 4, world_size: int = 2, model: dict[str, Any] = MODEL
+) -> DataLoader:
+    """Random tokens of ``model``'s vocabulary and sequence length, enough for ``steps`` steps on each of
+    ``world_size`` ranks (pinned where there is a GPU to copy them to)."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(
-        0, MODEL["vocab_size"], (batch_size * world_size * steps, MODEL["seq_len"] + 1), generator=g
+        0, model["vocab_size"], (batch_size * world_size * steps, model["seq_len"] + 1), generator=g
     )
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+        batch_size=batch_size,
+        pin_memory=torch.cuda.is_available(),
+    )
 
 
 class StepTimer(L.Callback):
@@ -62,24 +71,37 @@ class SaveEvery(L.Callback):
 
 
 class Profile(L.Callback):
-    """torch.profiler over training batches ``start`` .. ``start + steps - 1``: a chrome trace (rank 0) and
-    the ops with the most self CPU time, for finding where a step goes instead of guessing."""
+    """torch.profiler over training batches ``start`` .. ``start + steps - 1`` (CPU, and CUDA on a GPU): a
+    chrome trace (rank 0; gzipped where the name ends in ``.gz``), the ops with the most self CPU time, and
+    the events and wall time of the window, for finding where a step goes instead of guessing."""
 
     def __init__(self, trace: str | None, start: int = 3, steps: int = 3, top: int = 15) -> None:
         self.trace, self.start, self.steps, self.top = trace, start, steps, top
         self.table: list[dict[str, Any]] = []
+        self.events: Any = None
+        self.wall_us = 0.0
         self._profiler: Any = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.start:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self._profiler.__enter__()
+        if batch_idx != self.start:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.__enter__()
+        self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self._profiler is None or args[-1] != self.start + self.steps - 1:
             return
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self.wall_us = (time.perf_counter() - self._t0) * 1e6
         self._profiler.__exit__(None, None, None)
-        events = sorted(self._profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        self.events = self._profiler.events()
+        ops = sorted(self._profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         self.table = [
             {
                 "op": e.key,
@@ -87,12 +109,23 @@ class Profile(L.Callback):
                 "self_cpu_ms_per_step": e.self_cpu_time_total / 1000 / self.steps,
                 "cpu_ms_per_step": e.cpu_time_total / 1000 / self.steps,
             }
-            for e in events[: self.top]
+            for e in ops[: self.top]
         ]
         if self.trace is not None and trainer.is_global_zero:
-            Path(self.trace).parent.mkdir(parents=True, exist_ok=True)
-            self._profiler.export_chrome_trace(self.trace)
+            _export_trace(self._profiler, Path(self.trace))
         self._profiler = None
+
+
+def _export_trace(profiler: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix != ".gz":
+        profiler.export_chrome_trace(str(path))
+        return
+    raw = path.with_suffix("")  # trace.json.gz -> trace.json
+    profiler.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
 
 
 def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2) -> L.Trainer:

@@ -23,7 +23,6 @@ with ``ShardStrategy(stage=3)``, ``precision="bf16-mixed"``, the model built on 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import shutil
@@ -37,8 +36,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _common import SaveEvery, StepTimer
-from torch.utils.data import DataLoader, TensorDataset
+from _common import Profile, SaveEvery, StepTimer, token_loader
 
 from lightning_shard import ShardStrategy
 from lightning_shard.callbacks import MFUMonitor
@@ -46,44 +44,6 @@ from lightning_shard.demos import GPTModule
 
 # ~1.08B parameters: 20 blocks of 12 d^2 (1.007B) plus a 32768 x 2048 tied embedding.
 GPT_1B = dict(n_layers=20, d_model=2048, n_heads=16, seq_len=2048, vocab_size=32768)
-
-
-class DeviceProfile(L.Callback):
-    """torch.profiler (CPU and CUDA) over batches ``start`` .. ``start + steps - 1``; keeps the events."""
-
-    def __init__(self, start: int, steps: int, trace: Path | None) -> None:
-        self.start, self.steps, self.trace = start, steps, trace
-        self.breakdown: dict[str, Any] = {}
-        self._profiler: Any = None
-        self._t0 = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx != self.start:
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if trainer.strategy.root_device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.synchronize()
-        self._profiler = torch.profiler.profile(activities=activities)
-        self._profiler.__enter__()
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self._profiler is None or args[-1] != self.start + self.steps - 1:
-            return
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - self._t0) * 1e6
-        self._profiler.__exit__(None, None, None)
-        self.breakdown = kernel_breakdown(self._profiler.events(), wall_us, self.steps)
-        if self.trace is not None:
-            raw = self.trace.with_suffix("")  # trace.json.gz -> trace.json
-            raw.parent.mkdir(parents=True, exist_ok=True)
-            self._profiler.export_chrome_trace(str(raw))
-            with raw.open("rb") as src, gzip.open(self.trace, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            raw.unlink()
-        self._profiler = None
 
 
 #: Kernel name fragments (lower case) -> the kind of work; the first match wins, the rest is "other".
@@ -159,12 +119,6 @@ def matmul_peak(device: torch.device, size: int = 8192, reps: int = 10) -> float
     return 2 * size**3 * reps / (time.perf_counter() - t0)
 
 
-def token_loader(model: dict[str, Any], batch: int, steps: int) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model["vocab_size"], (batch * steps, model["seq_len"] + 1), generator=g)
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, pin_memory=True)
-
-
 def run_names(args: argparse.Namespace) -> list[str]:
     """One run per mode and save kind: ``eager``, ``compiled``, ``eager+async_save``, ..."""
     return [m if s == "none" else f"{m}+{s}_save" for m in args.modes for s in args.saves]
@@ -177,11 +131,11 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     timer = StepTimer()  # first: its step times leave the saves' blocking out
     mfu = MFUMonitor(log_every_n_steps=args.steps, window=args.steps - args.warmup)
     trace = Path(args.out).with_name(f"{Path(args.out).stem}_{name.replace('+', '_')}_trace.json.gz")
-    profile = DeviceProfile(start=args.steps, steps=args.profile_steps, trace=trace)
+    profile = Profile(str(trace), start=args.steps, steps=args.profile_steps)
     callbacks: list[L.Callback] = [timer, mfu] + ([profile] if args.profile_steps else [])
     directory = tempfile.mkdtemp(prefix="bench_gpu_mfu_", dir=args.save_dir) if save else None
-    if directory is not None:
-        callbacks.append(SaveEvery(args.save_every, directory))
+    saver = SaveEvery(args.save_every, directory) if directory is not None else None
+    callbacks += [saver] if saver is not None else []
     strategy = ShardStrategy(
         stage=args.stage, compile=mode == "compiled", async_checkpoint=save == "async_save"
     )
@@ -202,15 +156,15 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     t0 = time.perf_counter()
-    trainer.fit(module, token_loader(model, args.batch, total))  # teardown waits for an async save
+    loader = token_loader(total, args.batch, world_size=1, model=model)
+    trainer.fit(module, loader)  # teardown waits for an async save
     run_s = time.perf_counter() - t0
     saves: dict[str, Any] = {}
-    if directory is not None:
+    if saver is not None and directory is not None:
+        written = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
         saves = {
-            "blocked_s_per_save": callbacks[-1].blocked,  # type: ignore[attr-defined]
-            "checkpoint_gb": sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
-            / 1e9
-            / max(1, len(callbacks[-1].blocked)),  # type: ignore[attr-defined]
+            "blocked_s_per_save": saver.blocked,
+            "checkpoint_gb": written / 1e9 / max(1, len(saver.blocked)),
         }
         shutil.rmtree(directory, ignore_errors=True)
     device = trainer.strategy.root_device
@@ -234,7 +188,9 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "recompiles": trainer.strategy.recompiles,
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-        "profile": profile.breakdown,
+        "profile": kernel_breakdown(profile.events, profile.wall_us, args.profile_steps)
+        if profile.events is not None
+        else {},
         "trace": trace.name if args.profile_steps else None,
     }
     if mfu.device_peak:
