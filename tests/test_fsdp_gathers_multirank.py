@@ -17,7 +17,7 @@ N_LAYERS = 3
 
 
 class GatherCounter(L.Callback):
-    """All-gathers between the start and the end of each training batch."""
+    """All-gathers between the start and the end of each training batch: gloo's, or through shared memory."""
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
@@ -27,13 +27,19 @@ class GatherCounter(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed as dist
 
-        self._original = dist.all_gather_single
+        from lightning_shard.engines._shm import SharedMemoryGroup
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            self._count += 1
-            return self._original(*args, **kwargs)
+        self._original = (dist.all_gather_single, SharedMemoryGroup.all_gather)
 
-        dist.all_gather_single = counting
+        def counting(original: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self._count += 1
+                return original(*args, **kwargs)
+
+            return call
+
+        dist.all_gather_single = counting(self._original[0])
+        SharedMemoryGroup.all_gather = counting(self._original[1])  # type: ignore[method-assign]
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._count = 0
@@ -44,7 +50,9 @@ class GatherCounter(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed as dist
 
-        dist.all_gather_single = self._original
+        from lightning_shard.engines._shm import SharedMemoryGroup
+
+        dist.all_gather_single, SharedMemoryGroup.all_gather = self._original
 
 
 class ModelCall(L.LightningModule):

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_shard import _compat
 from lightning_shard._modules import detect_block_classes, find_blocks
-from lightning_shard.engines._gloo import use_all_to_all_reduce_scatter
+from lightning_shard.engines._gloo import use_cpu_collectives
 from lightning_shard.engines._units import sharding_units
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def fully_shard_model(
     units.append(fully_shard(module, **{**kwargs, "reshard_after_forward": False}))
     for unit in units:
         # On gloo (CPU ranks) only. The modules of a grouped unit share one state.
-        use_all_to_all_reduce_scatter(unit[0] if isinstance(unit, list) else unit)
+        use_cpu_collectives(unit[0] if isinstance(unit, list) else unit)
     return module
 
 

@@ -1,10 +1,14 @@
-"""FSDP2's gradient reduce-scatter on gloo groups (CPU ranks) as an all-to-all and a local sum.
+"""FSDP2's collectives on gloo groups (CPU ranks): through shared memory among ranks on one host, else
+the gradient reduce-scatter as an all-to-all and a local sum.
 
-Gloo has no reduce-scatter of its own: torch runs ``reduce_scatter_tensor`` on a gloo group as an
-all-reduce of the whole buffer, then keeps this rank's chunk. Each rank then sends and receives twice
-what a reduce-scatter needs. An all-to-all sends rank j the j-th chunk of every rank's gradients, and
-the sum of the N chunks received is this rank's shard: (N - 1) / N of the buffer each way, as a ring
-reduce-scatter. Installed through FSDP2's public ``FSDPModule.set_custom_reduce_scatter``.
+Shared memory (``_shm.py``) carries the all-gather of parameters and the reduce-scatter of gradients
+wherever every rank of the group can map the others' files in ``/dev/shm``. Elsewhere (ranks on several
+hosts) the all-gather is gloo's, and the reduce-scatter an all-to-all: gloo has no reduce-scatter of its
+own, and torch runs ``reduce_scatter_tensor`` on a gloo group as an all-reduce of the whole buffer, then
+keeps this rank's chunk, so each rank sends and receives twice what a reduce-scatter needs. An all-to-all
+sends rank j the j-th chunk of every rank's gradients, and the sum of the N chunks received is this rank's
+shard: (N - 1) / N of the buffer each way, as a ring reduce-scatter. Installed through FSDP2's public
+``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
 """
 
 from __future__ import annotations
@@ -16,20 +20,45 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-try:  # the interface ``FSDPModule.set_custom_reduce_scatter`` takes; torch does not re-export it
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # pragma: no cover  (moved: FSDP2's own reduce-scatter is used)
-    ReduceScatter = None  # type: ignore[assignment,misc]
+from lightning_shard.engines._shm import shared_memory_group
+
+try:  # the interfaces ``FSDPModule.set_custom_all_gather`` / ``_reduce_scatter`` take; not re-exported
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover  (moved: FSDP2's own collectives are used)
+    AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
 
 
-class AllToAllReduceScatter(ReduceScatter or object):  # type: ignore[misc]
-    """``SUM`` / ``AVG`` reduce-scatter of a flat buffer as ``all_to_all_single`` plus a sum; any other op
-    goes to ``reduce_scatter_tensor``."""
-
+class _Allocate:
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
+
+
+class CpuAllGather(_Allocate, AllGather or object):  # type: ignore[misc]
+    """All-gather through shared memory where the group's ranks share a host, else gloo's."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        shm = shared_memory_group(group)
+        if shm is not None and shm.all_gather(output_tensor, input_tensor):
+            return None
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # FSDP2's own call
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CpuReduceScatter(_Allocate, ReduceScatter or object):  # type: ignore[misc]
+    """``SUM`` / ``AVG`` reduce-scatter of a flat buffer through shared memory where the group's ranks share
+    a host (unless ``shared_memory=False``), else as ``all_to_all_single`` plus a sum; any other op goes to
+    ``reduce_scatter_tensor``."""
+
+    def __init__(self, shared_memory: bool = True) -> None:
+        self.shared_memory = shared_memory
 
     def __call__(
         self,
@@ -39,6 +68,9 @@ class AllToAllReduceScatter(ReduceScatter or object):  # type: ignore[misc]
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
+        shm = shared_memory_group(group) if self.shared_memory else None
+        if shm is not None and shm.reduce_scatter(output_tensor, input_tensor, op):
+            return None
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_tensor(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
@@ -52,9 +84,9 @@ class AllToAllReduceScatter(ReduceScatter or object):  # type: ignore[misc]
         return None
 
 
-def use_all_to_all_reduce_scatter(module: FSDPModule) -> bool:
-    """On a module ``fully_shard`` wrapped over a gloo group, reduce-scatter gradients as above."""
-    if ReduceScatter is None:  # pragma: no cover
+def use_cpu_collectives(module: FSDPModule) -> bool:
+    """On a module ``fully_shard`` wrapped over a gloo group, all-gather and reduce-scatter as above."""
+    if ReduceScatter is None or AllGather is None:  # pragma: no cover
         return False
     try:  # FSDP2's private state: where it moved, its own reduce-scatter stays
         groups = module._get_fsdp_state()._fsdp_param_groups
@@ -63,5 +95,6 @@ def use_all_to_all_reduce_scatter(module: FSDPModule) -> bool:
         return False
     if pg is None or dist.get_backend(pg) != "gloo" or pg.size() == 1:
         return False
-    module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    module.set_custom_all_gather(CpuAllGather())
+    module.set_custom_reduce_scatter(CpuReduceScatter())
     return True

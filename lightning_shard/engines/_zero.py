@@ -18,7 +18,22 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+from lightning_shard.engines._shm import shared_memory_group
+
 _NAMED: dict[type, type[ZeroRedundancyOptimizer]] = {}
+
+
+class _ZeroOptimizer(ZeroRedundancyOptimizer):
+    def _sync_params(self) -> None:
+        """After a step each rank sends its updated partition to the others (torch: one broadcast per rank's
+        bucket); among CPU ranks on one host through shared memory (``engines/_shm.py``)."""
+        buckets: list[list[torch.Tensor]] = (
+            getattr(self, "_buckets", []) if self.parameters_as_bucket_view else []
+        )
+        shm = shared_memory_group(self.process_group) if buckets else None
+        if shm is not None and all(shm.gather(list(per_rank), per_rank[self.rank]) for per_rank in buckets):
+            return
+        super()._sync_params()  # type: ignore[misc]
 
 
 def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
@@ -29,7 +44,7 @@ def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
     if optimizer_class not in _NAMED:
         _NAMED[optimizer_class] = type(
             optimizer_class.__name__,
-            (ZeroRedundancyOptimizer,),
+            (_ZeroOptimizer,),
             {
                 "__module__": __name__,
                 "__qualname__": f"ZeroRedundancyOptimizer[{optimizer_class.__qualname__}]",

@@ -40,6 +40,7 @@ from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.engines import _shm
 from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
@@ -340,6 +341,7 @@ class FSDPEngine(Engine):
     def teardown(self) -> None:
         if self.async_checkpointer is not None:
             self.async_checkpointer.close()
+        _shm.release()  # this call's process groups are destroyed next; a later call maps new files
 
     # --- state dicts -----------------------------------------------------------------------------
 
