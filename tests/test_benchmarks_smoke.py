@@ -123,6 +123,22 @@ def test_bench_engines_smoke(tmp_path):
 
 
 @pytest.mark.multirank
+def test_bench_collectives_smoke(tmp_path):
+    out = tmp_path / "collectives.json"
+    run = run_benchmark("bench_collectives.py", "--smoke", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ms = report["median_ms"]["1"]
+    assert len(ms) == 7 and all(t > 0 for t in ms.values())
+    assert set(report["shm_over_gloo"]["1"]) == {
+        "all_gather",
+        "reduce_scatter_vs_all_to_all",
+        "reduce_scatter_vs_gloo",
+        "all_reduce",
+    }
+
+
+@pytest.mark.multirank
 def test_bench_async_checkpoint_smoke(tmp_path):
     out = tmp_path / "async.json"
     args = ("--depth", "1", "--steps", "4", "--every", "2", "--rounds", "1", "--out", str(out))

@@ -5,8 +5,8 @@ the kernel, a copy out, and the protocol's work, on the same cores that run the 
 group maps one file in ``/dev/shm`` per rank (two halves: calls alternate between them), writes what the
 others need into its own file, waits at a one-element gloo all-reduce (the barrier), and reads the others'
 files directly: one copy in and one copy out. On 2 ranks of a 2-core machine, 19 MB: an all-gather took
-5.8 ms against gloo's 15 ms, a reduce-scatter 4.5 ms against the all-to-all's 20 ms, an all-reduce 8 ms
-against gloo's 21 ms (medians of 25).
+6.6 ms against gloo's 18.9 ms, a reduce-scatter 5.9 ms against the all-to-all's 22.6 ms, an all-reduce
+10.5 ms against gloo's 28.9 ms (``benchmarks/bench_collectives.py``, medians of 25).
 
 Because calls alternate halves, one barrier per call is enough: a rank writes half ``h`` again only two
 calls later, after a barrier that every rank reaches only once it has finished reading that half.
