@@ -50,6 +50,8 @@ class SharedMemoryGroup:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """``output`` (``size`` chunks) receives every rank's ``input`` in rank order."""
+        if not output.is_contiguous():
+            return False
         return self.gather(list(output.view(-1).split(input.numel())), input)
 
     def gather(self, outputs: list[torch.Tensor], input: torch.Tensor) -> bool:
@@ -110,7 +112,11 @@ class SharedMemoryGroup:
         dist.all_reduce(self._flag, group=self.group)
 
     def _reserve(self, nbytes: int, *tensors: torch.Tensor) -> bool:
-        """Files of at least ``nbytes`` per half on every rank; False where this group uses gloo."""
+        """Files of at least ``nbytes`` per half on every rank; False where this group uses gloo.
+
+        Every answer must be the same on every rank (a rank on gloo and one here would wait for each other
+        forever): the checks read what a collective's callers agree on, its sizes, dtypes, devices and
+        layouts, and the one decision made alone (can this rank make and map the files) is agreed on."""
         if not self.usable or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             return False
         if nbytes > self.capacity:  # the same call on every rank: the sizes of a collective agree
