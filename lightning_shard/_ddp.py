@@ -86,7 +86,9 @@ class _SharedMemoryHook:
     to it, checked and logged as DDP does, and a second registration fails as DDP's does."""
 
     def __init__(self, ddp: Any) -> None:
-        self.ddp = ddp
+        from lightning_shard.engines._shm import allreduce_hook
+
+        self.ddp, self.default = ddp, allreduce_hook
         self.user: tuple[Any, object] | None = None
         self.__name__ = self.__qualname__ = "shared_memory_allreduce_hook"  # DDP reads and logs the name
 
@@ -98,12 +100,10 @@ class _SharedMemoryHook:
         ddp._register_builtin_comm_hook = hook.register_builtin
 
     def __call__(self, state, bucket):  # type: ignore[no-untyped-def]  # (no annotations: DDP checks them)
-        from lightning_shard.engines._shm import allreduce_hook
-
         if self.user is not None:
             user_hook, user_state = self.user
             return user_hook(user_state, bucket)
-        return allreduce_hook(state, bucket)
+        return self.default(state, bucket)
 
     def register(self, state: object, hook: Any) -> None:
         if self.user is not None:

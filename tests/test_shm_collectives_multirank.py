@@ -117,12 +117,13 @@ class _UserHook:
             self.second = str(err)
 
 
-def _train(stage: int, user_hook: bool) -> dict[str, Any]:
+def _train(stage: int, user_hook: bool, ddp_strategy: bool = False) -> dict[str, Any]:
     import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_shard import ShardStrategy
     from lightning_shard.engines import _shm
-    from tests.helpers import loader, tiny_gpt, trainer_kwargs
+    from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
 
     calls: dict[str, int] = {}
     for name in ("all_gather", "reduce_scatter", "all_reduce", "gather"):
@@ -135,17 +136,25 @@ def _train(stage: int, user_hook: bool) -> dict[str, Any]:
 
         setattr(_shm.SharedMemoryGroup, name, spy)
     user = type("UserHook", (_UserHook, L.Callback), {})()
-    trainer = L.Trainer(
-        **trainer_kwargs(
-            devices=2, strategy=ShardStrategy(stage=stage), max_steps=3, callbacks=[user] if user_hook else []
-        )
-    )
+    losses = LossRecorder()
+    strategy = DDPStrategy() if ddp_strategy else ShardStrategy(stage=stage)
+    callbacks = [losses, user] if user_hook else [losses]
+    trainer = L.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=3, callbacks=callbacks))
     trainer.fit(tiny_gpt(), loader(4))
     return {
         "calls": calls,
         "left": glob.glob(_LEFT),
         "groups": len(_shm._groups),
         "user": (user.calls, user.second),
+        "losses": losses.losses,
+    }
+
+
+def _stage0_and_ddp() -> dict[str, Any]:
+    return {
+        (strategy, hook): _train(0, hook, strategy == "ddp")
+        for strategy in ("shard", "ddp")
+        for hook in (False, True)
     }
 
 
@@ -163,9 +172,15 @@ def test_training_communicates_through_shared_memory(stage, expected):
         assert out["left"] == [] and out["groups"] == 0  # released at teardown
 
 
-def test_a_users_ddp_comm_hook_replaces_the_shared_memory_one():
-    for out in run_ranks(_train, 0, True, world_size=2):
-        assert "all_reduce" not in out["calls"]
-        calls, second = out["user"]
+def test_stage0_matches_ddpstrategy_and_a_users_ddp_comm_hook_replaces_the_shared_memory_one():
+    for runs in run_ranks(_stage0_and_ddp, world_size=2):
+        ours, users = runs[("shard", False)], runs[("shard", True)]
+        assert ours["calls"]["all_reduce"] > 0 and "all_reduce" not in users["calls"]
+        calls, second = users["user"]
         assert calls > 0  # DDP's hook: one call per bucket per step
         assert second == "register_comm_hook or register_builtin_comm_hook can only be called once."
+        # The same script under Lightning's DDPStrategy: the same losses (bit-equal on 2 ranks), the same
+        # hook calls and the same error for a second registration.
+        for hook in (False, True):
+            assert runs[("shard", hook)]["losses"] == runs[("ddp", hook)]["losses"]
+            assert runs[("shard", hook)]["user"] == runs[("ddp", hook)]["user"]

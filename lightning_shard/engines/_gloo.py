@@ -13,7 +13,6 @@ shard: (N - 1) / N of the buffer each way, as a ring reduce-scatter. Installed t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,21 +21,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_shard.engines._shm import shared_memory_group
 
-try:  # the interfaces ``FSDPModule.set_custom_all_gather`` / ``_reduce_scatter`` take; not re-exported
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+try:  # FSDP2's own collectives (what ``set_custom_all_gather`` / ``_reduce_scatter`` replace); private path
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 except ImportError:  # pragma: no cover  (moved: FSDP2's own collectives are used)
-    AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
+    DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
 
-class _Allocate:
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-
-class CpuAllGather(_Allocate, AllGather or object):  # type: ignore[misc]
-    """All-gather through shared memory where the group's ranks share a host, else gloo's."""
+class CpuAllGather(DefaultAllGather or object):  # type: ignore[misc]
+    """All-gather through shared memory where the group's ranks share a host, else FSDP2's own (gloo's)."""
 
     def __call__(
         self,
@@ -48,14 +40,13 @@ class CpuAllGather(_Allocate, AllGather or object):  # type: ignore[misc]
         shm = shared_memory_group(group)
         if shm is not None and shm.all_gather(output_tensor, input_tensor):
             return None
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # FSDP2's own call
-        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-class CpuReduceScatter(_Allocate, ReduceScatter or object):  # type: ignore[misc]
+class CpuReduceScatter(DefaultReduceScatter or object):  # type: ignore[misc]
     """``SUM`` / ``AVG`` reduce-scatter of a flat buffer through shared memory where the group's ranks share
     a host (unless ``shared_memory=False``), else as ``all_to_all_single`` plus a sum; any other op goes to
-    ``reduce_scatter_tensor``."""
+    FSDP2's own (gloo's)."""
 
     def __init__(self, shared_memory: bool = True) -> None:
         self.shared_memory = shared_memory
@@ -72,9 +63,7 @@ class CpuReduceScatter(_Allocate, ReduceScatter or object):  # type: ignore[misc
         if shm is not None and shm.reduce_scatter(output_tensor, input_tensor, op):
             return None
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
         n = group.size()
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
@@ -86,7 +75,7 @@ class CpuReduceScatter(_Allocate, ReduceScatter or object):  # type: ignore[misc
 
 def use_cpu_collectives(module: FSDPModule) -> bool:
     """On a module ``fully_shard`` wrapped over a gloo group, all-gather and reduce-scatter as above."""
-    if ReduceScatter is None or AllGather is None:  # pragma: no cover
+    if DefaultReduceScatter is None or DefaultAllGather is None:  # pragma: no cover
         return False
     try:  # FSDP2's private state: where it moved, its own reduce-scatter stays
         groups = module._get_fsdp_state()._fsdp_param_groups
