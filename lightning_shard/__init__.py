@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_shard._processes import CollectiveTimeoutError
 from lightning_shard.checkpoint import CheckpointLoadError
 from lightning_shard.checkpoint.init_weights import InitWeightsError
 from lightning_shard.config import ShardConfig
+from lightning_shard.core.processes import CollectiveTimeoutError
 from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.precision import ShardPrecision
-from lightning_shard.strategy import ShardStrategy
+from lightning_shard.trainer.strategy import ShardStrategy
 
 __version__ = "0.1.0"
 
@@ -49,7 +49,7 @@ def _register_strategies() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_shard._registry import register_names
+    from lightning_shard.core.registry import register_names
 
     register_names(StrategyRegistry, ShardStrategy)
     register_names(STRATEGY_REGISTRY, ShardFabricStrategy)

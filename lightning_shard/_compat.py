@@ -9,13 +9,17 @@ package was tested with, so a new release degrades one feature instead of breaki
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.trainer import Trainer
+from torch.distributed.fsdp import FSDPModule
 
 TESTED = "torch 2.6-2.13, lightning 2.5-2.6"
 
@@ -115,7 +119,7 @@ def live_process_groups_fallback() -> list[Any]:
 
 def live_process_groups() -> list[Any]:
     """Every process group alive in this process: the default one, meshes', engines' (DeepSpeed's)."""
-    try:
+    try:  # private torch API, imported where used: a release without it takes the fallback
         from torch.distributed.distributed_c10d import _world
 
         return list(_world.pg_map)
@@ -141,7 +145,7 @@ def fsdp_keep_gathered_after_nested_forward(root: Any) -> None:
     root's parameters (embeddings and head, often a third of a language model) every step. Marking the
     still-gathered group as in forward again lets the outer end keep it, as a single forward would.
     """
-    try:
+    try:  # private torch API, imported where used: a release without it costs one more gather
         from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
         groups = root._get_fsdp_state()._fsdp_param_groups
@@ -164,7 +168,7 @@ def dynamo_skips_for_dispatch_mode() -> bool:
     The checks are dynamo's own: modes that are infra or ignore compile internals (selective activation
     checkpointing's) do not count.
     """
-    try:
+    try:  # private torch API, imported where used: a release without it takes the fallback
         import torch._dynamo.config as dynamo_config
         from torch.utils import _python_dispatch as dispatch
 
@@ -176,7 +180,7 @@ def dynamo_skips_for_dispatch_mode() -> bool:
 
 
 def dynamo_skips_for_dispatch_mode_fallback() -> bool:
-    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode  # private torch API, used only here
 
     return is_in_torch_dispatch_mode(include_infra_modes=False)
 
@@ -201,8 +205,6 @@ def refresh_fsdp_groups(module: torch.nn.Module) -> None:
     its groups up by name. After the groups were destroyed and made again under the same names (one
     Trainer call's teardown, the next call's set-up), the cached objects are refreshed from the mesh.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
@@ -236,9 +238,7 @@ def replace_sigterm_notifier(trainer: Any, handler: Callable[[int, Any], None]) 
     Returns ``False`` (and changes nothing) when this Lightning release composes its handlers some
     other way.
     """
-    import signal
-
-    try:
+    try:  # private Lightning API, imported where used: a release without it leaves the handlers as they are
         from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
     except ImportError:  # pragma: no cover
         return False
@@ -312,10 +312,6 @@ def record_weights_only() -> bool:
     drops it, so ``fit(ckpt_path=..., weights_only=False)`` would never reach the loader. Wrapping
     ``Trainer._run`` records it on the Trainer. Returns whether the wrapper is in place.
     """
-    import functools
-
-    from lightning.pytorch.trainer.trainer import Trainer
-
     run = getattr(Trainer, "_run", None)
     if run is None:
         return False
@@ -345,8 +341,7 @@ def resolve_last_checkpoint(resolver: Callable[[Any], str | None]) -> bool:
     (``bucket/run/last.ckpt``), then looks that up on the local disk, finds nothing and starts from scratch
     with a warning: resuming from ``"last"`` never happens there, under any strategy. Returns whether the
     wrapper is in place."""
-    import functools
-
+    # Private Lightning API, imported where used: a release without it fails this feature only.
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     parse = getattr(_CheckpointConnector, "_parse_ckpt_path", None)

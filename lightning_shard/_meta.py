@@ -20,8 +20,12 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 #: Hook a LightningModule may define to initialise its parameters after they are allocated.
 INIT_HOOK = "init_weights"
@@ -31,6 +35,7 @@ _RANK_SEED_STRIDE = 1_000_003
 @contextmanager
 def parameters_on_meta() -> Generator[None, None, None]:
     """Parameters registered inside go to the meta device (their initialisers skipped); buffers do not."""
+    # Private Lightning API, imported where used: a release without it fails this context manager only.
     from lightning.fabric.utilities.init import _EmptyInit
 
     register = nn.Module.register_parameter
@@ -62,8 +67,6 @@ def has_meta(module: nn.Module) -> bool:
 def init_hook(module: nn.Module) -> Callable[[], None] | None:
     hook = getattr(type(module), INIT_HOOK, None)
     # Only the LightningModule's own hook: a wrapped Hugging Face model has an unrelated init_weights().
-    import lightning as L
-
     if callable(hook) and isinstance(module, L.LightningModule):
         return getattr(module, INIT_HOOK)
     return None
@@ -71,8 +74,6 @@ def init_hook(module: nn.Module) -> Callable[[], None] | None:
 
 def _class_name(module: nn.Module) -> str:
     """The module's own class name (FSDP2 renames a sharded module's class to ``FSDP<Name>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     cls: type = type(module)
     if isinstance(module, FSDPModule):
         cls = next((base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule)), cls)
@@ -140,8 +141,6 @@ def materialize(
     _retie(ties)
     if loaded_from is not None:
         return True
-    from torch.distributed.tensor import DTensor
-
     sharded = any(isinstance(p, DTensor) for p in module.parameters())
     seed = torch.initial_seed() + (_RANK_SEED_STRIDE * rank if sharded else 0)
     devices = [device] if device.type == "cuda" else []
@@ -166,9 +165,6 @@ def sync_copies(module: nn.Module, world_mesh: Any) -> None:
     tensor-parallel group (an embedding) or split the same way in every replica group (HSDP) would
     otherwise differ between its copies.
     """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
     for param in module.parameters():
         split: set[str] = set()
         local: torch.Tensor = param

@@ -25,7 +25,15 @@ import pickle
 import sys
 from typing import Any
 
+import torch
+
 from lightning_shard import checkpoint
+from lightning_shard.checkpoint._hf_plan import refusal_cause
+from lightning_shard.engines._ds_ops import build_deepspeed_ops
+from lightning_shard.planner import available_device_memory, plan
+from lightning_shard.planner.mesh import check_sizes
+from lightning_shard.planner.model import build_on_meta
+from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count, parse_size
 
 _PLAN_EPILOG = """examples:
   lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB
@@ -197,8 +205,6 @@ def _add_export(sub: Any) -> None:
 
 
 def _unpickling_message(err: pickle.UnpicklingError) -> str:
-    from lightning_shard.checkpoint._hf_plan import refusal_cause
-
     cause = refusal_cause(err)
     if cause is None:
         return (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -231,8 +237,6 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _world(args: argparse.Namespace) -> tuple[int, int]:
     """(world size, devices per node) from --gpus or --devices x --nodes."""
-    from lightning_shard.units import PlanInputError
-
     devices, nodes = args.devices or 1, args.nodes or 1
     if args.gpus is not None and (args.devices or args.nodes) and args.gpus != devices * nodes:
         raise PlanInputError(
@@ -244,13 +248,8 @@ def _world(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _device_memory(args: argparse.Namespace, per_node: int) -> tuple[int, str | None]:
-    from lightning_shard.units import parse_size
-
     if args.gpu_mem is not None:
         return parse_size(args.gpu_mem, "--gpu-mem"), None
-    import torch
-
-    from lightning_shard.planner import available_device_memory
 
     if torch.cuda.is_available():
         return available_device_memory(
@@ -272,10 +271,6 @@ def _model_argv(parser: argparse.ArgumentParser, extras: list[str], model: str |
 
 def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, Any]:
     """The planner's keyword arguments, with every size checked under the flag name the user typed."""
-    from lightning_shard.planner.mesh import check_sizes
-    from lightning_shard.planner.model import build_on_meta
-    from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count
-
     world, per_node = _world(args)
     check_sizes(
         world,
@@ -326,8 +321,6 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
 
 
 def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
-    from lightning_shard.planner import plan
-
     kwargs = _plan_kwargs(args, model_argv)
     note = kwargs.pop("_note")
     result = plan(**kwargs)
@@ -343,8 +336,6 @@ def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
 
 
 def _run_build_ops() -> int:
-    from lightning_shard.engines._ds_ops import build_deepspeed_ops
-
     try:
         results = build_deepspeed_ops()
     except RuntimeError as err:
@@ -384,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         return _run_build_ops()
     elif args.command == "plan":
-        from lightning_shard.units import PlanInputError
-
         model_argv = _model_argv(parser, extras, args.model)
         if args.params is None and args.model is None and not (args.layers and args.hidden):
             parser.error("plan needs a model: give --params (e.g. 7e9) or --model CLASS_PATH.")

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from lightning_shard._compat import dynamo_skips_for_dispatch_mode
+from lightning_shard.activation_checkpointing.wrap import CheckpointedForward
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,6 @@ class CompiledForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         global _recompiles
-        from torch._dynamo.utils import counters
-
         if dynamo_skips_for_dispatch_mode():
             # Under a FLOP counter or another user dispatch mode dynamo would not compile, and would
             # never compile this forward after: run it eagerly, as dynamo would, without asking.
@@ -107,8 +107,6 @@ def compile_blocks(blocks: Iterable[nn.Module], kwargs: dict[str, Any]) -> int:
     does not trace the checkpoint wrapper's context functions): the recompute in backward runs the same
     compiled graph.
     """
-    from lightning_shard.activation_checkpointing.wrap import CheckpointedForward
-
     count = 0
     for block in blocks:
         if is_compiled(block):

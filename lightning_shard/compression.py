@@ -28,8 +28,15 @@ import inspect
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    _should_compress,
+    powerSGD_hook,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,6 @@ _RENAMED = {"rank": "matrix_approximation_rank", "start_iter": "start_powerSGD_i
 
 
 def _powersgd_arguments() -> set[str]:
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
     return set(inspect.signature(PowerSGDState.__init__).parameters) - {"self", "process_group"}
 
 
@@ -93,15 +98,13 @@ def check_compression(
 
 def hook_and_state(compression: dict[str, Any], group: Any, module: nn.Module) -> tuple[Any, Any]:
     """The DDP communication hook and its state for ``compression`` (:func:`check_compression`'s result)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
     method = compression["method"]
     if method == "bf16":
         return default_hooks.bf16_compress_hook, group
     if method == "fp16":
         return default_hooks.fp16_compress_hook, group
     options = {k: v for k, v in compression.items() if k != "method"}
-    state = powerSGD_hook.PowerSGDState(process_group=group, **options)
+    state = PowerSGDState(process_group=group, **options)
     return PowerSGDHook(module), state
 
 
@@ -127,8 +130,6 @@ class PowerSGDHook:
         self.pending: dict[str, dict[str, Tensor]] = {"error": {}, "p": {}, "q": {}}
 
     def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
         index = bucket.index()
         layout = [(self.names[id(p)], p.shape) for p in bucket.parameters()]
         if index in self.layouts and self.layouts[index] != layout:
@@ -184,8 +185,6 @@ PowerSGDHook.__call__.__annotations__ = {
 def _factor_sizes(state: Any, layout: Layout, kind: str) -> list[tuple[str, int]]:
     """The parameters whose gradients PowerSGD compresses, in the order it lays out their P (or Q) factors
     (grouped by matrix shape, first seen first), each with its factor's size."""
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
     by_shape: dict[tuple[int, int], list[tuple[str, int]]] = {}
     for name, shape in layout:
         n = shape[0] if len(shape) else 1
@@ -238,8 +237,6 @@ def load_state_dict(
 ) -> None:
     """Restore :func:`state_dict`'s tensors (error feedback and factors only on the same world size); they are
     put into buckets as each bucket next arrives."""
-    import numpy as np
-
     state.iter = int(saved["iter"])
     pos, has_gauss = (int(v) for v in saved["rng_rest"])
     keys = saved["rng_keys"].numpy().astype(np.uint32)

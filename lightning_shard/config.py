@@ -9,98 +9,81 @@ and the installed packages can run.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 from lightning_shard import _ddp, offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
+from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.checkpoint.init_weights import open_weights
+from lightning_shard.compile import check_compile
+from lightning_shard.compression import check_compression
+from lightning_shard.flags import FLAG_NAMES, CheckpointMode, EngineFlag, EngineName, ShardFlags
+from lightning_shard.parallel.plan import check_plan_flag
+from lightning_shard.pipeline.schedules import check_pipeline_flags
+from lightning_shard.units import parse_size
 
-EngineName = Literal["fsdp", "deepspeed"]
-EngineFlag = Literal["auto", "fsdp", "deepspeed"]
-CheckpointMode = Literal["sharded", "full"]
 STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
-class ShardConfig:
-    """ShardStrategy's flags after validation (see :class:`~lightning_shard.ShardStrategy` for each)."""
+class ShardConfig(ShardFlags):
+    """The flags (:class:`~lightning_shard.flags.ShardFlags`, declared there once) after validation.
 
-    stage: int | Literal["auto"]
-    engine: EngineName
+    Built by :meth:`from_flags`. The fields re-declared below are the ones validation normalises to a
+    narrower type; every other field is the flag as given.
+    """
+
+    engine: EngineName = "fsdp"  # type: ignore[assignment]
     """The engine that serves the flags: ``engine="auto"`` resolved (FSDP2 unless a flag needs DeepSpeed)."""
-    checkpoint: CheckpointMode = "sharded"
-    offload_optimizer: offload.OffloadDevice | None = None
-    offload_params: offload.OffloadDevice | None = None
-    nvme_path: str | None = None
-    pin_memory: bool | None = None
-    shard_modules: tuple[type, ...] | None = None
-    """Sharding-unit classes at stages 2-3 (None: the model's repeated block class)."""
+    shard_modules: tuple[type, ...] | None = None  # type: ignore[assignment]
+    """Sharding-unit classes at stages 2-3, resolved from import paths (None: the model's repeated block class)."""
     activation_checkpointing: Any = None
     """An ``ActivationCheckpointing`` config, or None."""
-    device_memory: int | str | None = None
-    async_checkpoint: bool = False
-    skip_nonfinite: bool = False
-    max_skipped: int = 10
-    process_group_backend: str | None = None
     timeout: timedelta | None = None
-    init_weights: str | None = None
-    """Full weights to start from (a torch.save / safetensors file or a Hugging Face directory)."""
-    replicate_size: int = 1
-    """Replica groups of the data-parallel ranks (HSDP at stages 2-3: shard within a group, replicate across)."""
-    tensor_parallel_size: int = 1
-    """Ranks that split each layer of the plan (the innermost mesh dimension)."""
-    tensor_parallel_plan: dict[str, Any] | None = None
-    """Module-name pattern -> style; None: the plan the model carries."""
+    init_weights: str | None = None  # type: ignore[assignment]
+    microbatches: int = 1  # type: ignore[assignment]
+    """Pieces each batch is cut into (default ``2 x pipeline_parallel_size``)."""
+    stages_per_rank: int = 1  # type: ignore[assignment]
+    pipeline_split_points: tuple[str, ...] | None = None  # type: ignore[assignment]
+    compile: dict[str, Any] | None = None  # type: ignore[assignment]
+    """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
+    gradient_compression: dict[str, Any] | None = None  # type: ignore[assignment]
+    """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""
-    gradient_compression: dict[str, Any] | None = None
-    """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
-    compile: dict[str, Any] | None = None
-    """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
-    pipeline_parallel_size: int = 1
-    """Pipeline stages the model is cut into (the outermost mesh dimension, ``pp``)."""
-    pipeline_schedule: str = "1f1b"
-    microbatches: int = 1
-    """Pieces each batch is cut into (default ``2 x pipeline_parallel_size``)."""
-    stages_per_rank: int = 1
-    pipeline_split_points: tuple[str, ...] | None = None
-    """The blocks that start stages 2, 3, ...; None: balanced by parameter count."""
 
     @classmethod
-    def from_flags(
-        cls,
-        stage: Any = 3,
-        engine: str = "auto",
-        shard_modules: Any = None,
-        checkpoint: str = "sharded",
-        offload_optimizer: str | None = None,
-        offload_params: str | None = None,
-        nvme_path: str | None = None,
-        pin_memory: bool | None = None,
-        activation_checkpointing: Any = None,
-        device_memory: int | str | None = None,
-        async_checkpoint: bool = False,
-        skip_nonfinite: bool = False,
-        max_skipped: Any = 10,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
-        init_weights: Any = None,
-        replicate_size: Any = 1,
-        tensor_parallel_size: Any = 1,
-        tensor_parallel_plan: Any = None,
-        ddp_kwargs: dict[str, Any] | None = None,
-        pipeline_parallel_size: Any = 1,
-        pipeline_schedule: Any = "1f1b",
-        microbatches: Any = None,
-        stages_per_rank: Any = None,
-        pipeline_split_points: Any = None,
-        compile: Any = None,
-        gradient_compression: Any = None,
-    ) -> ShardConfig:
-        """Check every flag against the others; raise ``ValueError`` naming the flag, value and fix."""
-        from lightning_shard.activation_checkpointing import ActivationCheckpointing
-
+    def from_flags(cls, ddp_kwargs: dict[str, Any] | None = None, **given: Any) -> ShardConfig:
+        """Check every flag (``ShardFlags``' names) against the others; raise ``ValueError`` naming the flag,
+        value and fix (``TypeError`` for a name that is not a flag)."""
+        flags = ShardFlags(**given)
+        values = {name: getattr(flags, name) for name in FLAG_NAMES}
+        stage, engine, checkpoint = flags.stage, flags.engine, flags.checkpoint
+        offload_optimizer, offload_params, nvme_path = (
+            flags.offload_optimizer,
+            flags.offload_params,
+            flags.nvme_path,
+        )
+        device_memory, async_checkpoint, skip_nonfinite = (
+            flags.device_memory,
+            flags.async_checkpoint,
+            flags.skip_nonfinite,
+        )
+        max_skipped, init_weights = flags.max_skipped, flags.init_weights
+        replicate_size, tensor_parallel_size = flags.replicate_size, flags.tensor_parallel_size
+        pipeline_parallel_size, gradient_compression = (
+            flags.pipeline_parallel_size,
+            flags.gradient_compression,
+        )
+        activation_checkpointing, tensor_parallel_plan = (
+            flags.activation_checkpointing,
+            flags.tensor_parallel_plan,
+        )
+        pipeline_schedule, microbatches = flags.pipeline_schedule, flags.microbatches
+        stages_per_rank, pipeline_split_points = flags.stages_per_rank, flags.pipeline_split_points
         _check_scalars(stage, engine, checkpoint, async_checkpoint, max_skipped)
         # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
         engine_name = offload.validate(
@@ -114,8 +97,6 @@ class ShardConfig:
                     f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
                     " Drop device_memory or set stage='auto'."
                 )
-            from lightning_shard.units import parse_size
-
             parse_size(device_memory, "ShardStrategy(device_memory)")
         if engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
             flag = "async_checkpoint=True" if async_checkpoint else "skip_nonfinite=True"
@@ -137,11 +118,7 @@ class ShardConfig:
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
-        from lightning_shard.compile import check_compile
-
-        compile_kwargs = check_compile(compile, engine_name)
-        from lightning_shard.compression import check_compression
-
+        compile_kwargs = check_compile(flags.compile, engine_name)
         compression = check_compression(
             gradient_compression, stage, engine_name, checkpoint, tensor_parallel_size
         )
@@ -150,8 +127,6 @@ class ShardConfig:
                 f"ShardStrategy(gradient_compression={gradient_compression!r}) and ddp_comm_hook=... both set how"
                 " gradients are all-reduced. Keep one."
             )
-        from lightning_shard.pipeline.schedules import check_pipeline_flags
-
         microbatches, stages_per_rank, split_points = check_pipeline_flags(
             pipeline_parallel_size,
             pipeline_schedule,
@@ -162,35 +137,20 @@ class ShardConfig:
             stage,
             checkpoint,
         )
-        return cls(
+        values.update(
             stage=stage,
-            engine=engine_name,  # type: ignore[arg-type]
-            checkpoint=checkpoint,  # type: ignore[arg-type]
-            offload_optimizer=offload_optimizer,  # type: ignore[arg-type]
-            offload_params=offload_params,  # type: ignore[arg-type]
-            nvme_path=nvme_path,
-            pin_memory=pin_memory,
-            shard_modules=resolve_module_classes(shard_modules, "ShardStrategy(shard_modules=...)"),
+            engine=engine_name,
+            shard_modules=resolve_module_classes(flags.shard_modules, "ShardStrategy(shard_modules=...)"),
             activation_checkpointing=checkpointing,
-            device_memory=device_memory,
-            async_checkpoint=async_checkpoint,
-            skip_nonfinite=skip_nonfinite,
-            max_skipped=max_skipped,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
             init_weights=None if init_weights is None else str(init_weights),
-            replicate_size=replicate_size,
-            tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_plan=plan,
-            ddp_kwargs=dict(ddp_kwargs or {}),
-            pipeline_parallel_size=pipeline_parallel_size,
-            pipeline_schedule=pipeline_schedule,
             microbatches=microbatches,
             stages_per_rank=stages_per_rank,
             pipeline_split_points=split_points,
             compile=compile_kwargs,
             gradient_compression=compression,
         )
+        return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
 
     def replace(self, **changes: Any) -> ShardConfig:
         """A copy with ``changes`` (``stage="auto"`` resolved at setup, say), checked again."""
@@ -258,8 +218,6 @@ def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -
             " take tensor-parallel (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded,"
             " the same all-reduce volume as stage 1) or stage=0."
         )
-    from lightning_shard.parallel.plan import check_plan_flag
-
     checked = check_plan_flag(plan)
     if checked is not None and tp == 1:
         raise ValueError(
@@ -272,16 +230,12 @@ def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -
 def _check_init_weights(path: Any) -> None:
     if path is None:
         return
-    import os
-
     if not os.path.exists(path):
         raise ValueError(
             f"ShardStrategy(init_weights={str(path)!r}) does not exist. Pass a torch.save state-dict file (e.g. the"
             " output of `lightning-shard consolidate`), a .safetensors file, or a Hugging Face model directory"
             " (model.safetensors, or model.safetensors.index.json and its shards)."
         )
-    from lightning_shard.checkpoint.init_weights import open_weights
-
     open_weights(path).close()  # an unreadable or unsupported file fails here, before any process starts
 
 

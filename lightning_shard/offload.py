@@ -111,7 +111,7 @@ def check_nvme_path(nvme_path: str, need_bytes: int = 0) -> Path:
 def require_libaio() -> None:
     """DeepSpeed's NVMe swapping goes through libaio; fail early, with the package to install."""
     require_deepspeed()
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from deepspeed.ops.op_builder import AsyncIOBuilder  # optional: DeepSpeed
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
         raise ValueError(

@@ -30,6 +30,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
@@ -93,14 +95,10 @@ class ShardPrecision(Precision):
         """Bind to the run's device; creates the globally-agreeing loss scaler for ``16-mixed``."""
         self.device_type = device.type
         if self.precision == "16-mixed" and self.scaler is None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             self.scaler = ShardedGradScaler(device=device.type, process_group=process_group)
 
     def fsdp_mp_policy(self) -> Any:
         """The FSDP2 ``MixedPrecisionPolicy`` for this precision."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         if self.is_mixed:
             return MixedPrecisionPolicy(
                 param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype or torch.float32

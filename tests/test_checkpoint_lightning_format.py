@@ -25,7 +25,8 @@ from lightning_shard.checkpoint import (
     load_full_state_dict,
     load_lightning_checkpoint,
 )
-from lightning_shard.checkpoint._pickles import MetadataReader, check_deepspeed_pickles
+from lightning_shard.checkpoint._dcp_metadata import MetadataReader
+from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
 from lightning_shard.checkpoint.init_weights import open_weights
 from lightning_shard.cli import main as cli_main
 

@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import (
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from lightning_shard import EMA
-from lightning_shard._lightning_callbacks import check_callbacks
 from lightning_shard.averaging._hooks import AverageHooks
 from lightning_shard.averaging._layouts import KEY, layout_of
+from lightning_shard.trainer._refused_callbacks import check_callbacks
 from tests.helpers import loader, tiny_gpt, trainer_kwargs
 
 DECAY = 0.7

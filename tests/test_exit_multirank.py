@@ -37,6 +37,17 @@ def _alive(root: Path) -> list[str]:
     return [line for line in found.splitlines() if "pgrep" not in line]
 
 
+def _torchrun(torchrun_args: list[str], root: Path, *args: str) -> subprocess.CompletedProcess:
+    """The job under torchrun's elastic agent, 2 workers, as a user starts it (no rank variables of ours)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *torchrun_args]
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    return subprocess.run(
+        [*cmd, str(JOB), "--root", str(root), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
 def _engine_args(engine: str) -> list[str]:
     return ["--engine", engine, "--stage", "3"] + (["--async-checkpoint"] if engine == "fsdp" else [])
 
@@ -59,22 +70,7 @@ def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_betwe
 
 def test_under_torchrun_groups_stay_alive_between_calls_and_the_job_exits_zero(tmp_path):
     # torchrun's workers share the agent's store; the groups made on it outlive each Trainer call.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        str(JOB),
-        "--root",
-        str(tmp_path),
-    ]
-    env = {
-        key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
-    }
-    run = subprocess.run(
-        [*cmd, *_engine_args("fsdp"), "--then-test"], capture_output=True, text=True, timeout=300, env=env
-    )
+    run = _torchrun([], tmp_path, *_engine_args("fsdp"), "--then-test")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} process group alive after fit: True" in run.stdout
@@ -185,3 +181,46 @@ def test_save_checkpoint_after_fit_on_the_live_groups_then_resume_from_it(tmp_pa
             assert out["saved"] and out["steps"] == 3
         for name, value in results[0]["weights"].items():
             assert torch.equal(value, results[1]["weights"][name])
+
+
+def test_a_fabric_rank_that_outlives_rank_0_is_stopped_as_under_the_trainer(tmp_path):
+    # The same launcher rule as the Trainer door's (test_a_hung_rank_ends_the_job...): rank 0, exiting,
+    # waits for the rank it started, then stops it. Lightning's plain Fabric launcher leaves it running.
+    job = Path(__file__).parent / "jobs" / "fabric_exit_job.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(job), "--root", str(tmp_path), "--grace", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**job_env(), "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        rc, out = _finish(proc, timeout=180)
+    finally:
+        lingering = _alive(tmp_path)
+        for line in lingering:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert rc == 0, out[-3000:]
+    assert "rank 0 stepped" in out and "rank 1 outlives rank 0" in out, out[-3000:]
+    assert "rank 1 (pid" in out and "stopping it" in out, out[-3000:]
+    assert not lingering, lingering
+
+
+def test_a_torchrun_restart_reconnects_and_resumes_from_the_last_checkpoint(tmp_path):
+    # torchrun's agent keeps its store across restarts; the restarted attempt must not dial the dead
+    # attempt's addresses (the default group is keyed by run id and restart count).
+    run = _torchrun(
+        ["--max-restarts", "1", "--standalone"],
+        tmp_path,
+        *_engine_args("fsdp"),
+        *("--die-rank", "1", "--die-step", "5", "--resume", "last"),
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "rank 1 dies at step 5" in out, out[-4000:]
+    assert "Restoring states from the checkpoint path at" in out, out[-4000:]
+    resumed = re.findall(r"rank (\d) starts training at step ([1-9]\d*)", out)
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"], out[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} finished fit at step 6" in out, out[-4000:]
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -9,7 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch import nn
 
 from lightning_shard import ShardFabricStrategy, ShardStrategy
-from lightning_shard._registry import NAMES
+from lightning_shard.core.registry import NAMES
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._precision import FabricShardPrecision
 from lightning_shard.fabric._setup import rebind

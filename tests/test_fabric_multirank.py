@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_shard import ShardFabricStrategy, ShardStrategy
+from lightning_shard.core import transform
 from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import LossRecorder, full_model_weights, full_weights, loader, tiny_gpt, trainer_kwargs
 
@@ -107,19 +108,36 @@ def _parity_job(
     precision: str = "32-true",
     flags: dict | None = None,
 ) -> dict:
-    """Per schedule, a Fabric of its own (one model per Fabric; the same process group) and a Trainer."""
+    """Per schedule, a Fabric of its own (one model per Fabric; the same process group) and a Trainer; and
+    the configs each door handed to the core's one prepare function (``transform.prepare``)."""
     flags = flags or {}
-    return {
-        (accumulate, clip): (
-            _fabric_losses(_fabric(stage, engine, precision, **flags), accumulate, clip),
-            _trainer_losses(stage, engine, accumulate, clip, precision, flags),
-        )
-        for accumulate, clip in schedules
-    }
+    prepared: list[tuple[str, str]] = []
+    real = transform.prepare
+
+    def spy(module: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared.append((kwargs.get("owner", "ShardStrategy"), repr(config)))
+        return real(module, config, *args, **kwargs)
+
+    transform.prepare = spy  # type: ignore[assignment]
+    try:
+        losses = {
+            (accumulate, clip): (
+                _fabric_losses(_fabric(stage, engine, precision, **flags), accumulate, clip),
+                _trainer_losses(stage, engine, accumulate, clip, precision, flags),
+            )
+            for accumulate, clip in schedules
+        }
+    finally:
+        transform.prepare = real  # type: ignore[assignment]
+    return {"losses": losses, "prepared": prepared}
 
 
 def _check(results: dict) -> None:
-    for (accumulate, clip), (fabric_losses, trainer_losses) in results.items():
+    # Both doors went through the one prepare function, with the same validated flags.
+    owners = [owner for owner, _ in results["prepared"]]
+    assert owners == ["ShardFabricStrategy", "ShardStrategy"] * len(results["losses"]), owners
+    assert len({config for _, config in results["prepared"]}) == 1, results["prepared"]
+    for (accumulate, clip), (fabric_losses, trainer_losses) in results["losses"].items():
         assert len(fabric_losses) == STEPS * accumulate
         torch.testing.assert_close(
             fabric_losses,

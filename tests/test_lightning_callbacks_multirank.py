@@ -2,7 +2,7 @@
 the same 2 ranks, data and SGD project, or are refused at set-up with the fix (docs/callbacks.md).
 
 One job per engine runs every feature under DDPStrategy and under ShardStrategy at stages 1 and 3; the tests
-below read its results. The adaptations live in :mod:`lightning_shard._lightning_compat_callbacks`.
+below read its results. The adaptations live in :mod:`lightning_shard.trainer._callbacks`.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_shard import ShardStrategy
-from lightning_shard._pipeline_steps import check_contract, split_batch
 from lightning_shard.parallel import MeshLayout
 from lightning_shard.pipeline import keep_stage, plan_stages
+from lightning_shard.trainer._pipeline import check_contract, split_batch
 from tests.helpers import tiny_gpt
 
 
@@ -203,7 +203,7 @@ def test_batch_must_split_into_microbatches():
 
 
 def test_predict_inputs():
-    from lightning_shard._pipeline_steps import predict_inputs
+    from lightning_shard.trainer._pipeline import predict_inputs
 
     module = tiny_gpt()
     x, y = torch.zeros(2, 3), torch.ones(2, 3)

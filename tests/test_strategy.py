@@ -146,7 +146,7 @@ def test_collective_failures_are_recognised_and_reported_with_the_timeout_flag()
     from datetime import timedelta
 
     from lightning_shard import CollectiveTimeoutError
-    from lightning_shard._processes import is_collective_failure
+    from lightning_shard.core.processes import is_collective_failure
 
     gloo = RuntimeError(
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"

@@ -13,6 +13,11 @@ from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.activation_checkpointing.cache import restore_cache
 from lightning_shard.activation_checkpointing.wrap import unwrap, wrapper_of
 
+try:  # private torch path; without it, torch's own wrapper simply cannot be detected
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+except ImportError:  # pragma: no cover
+    CheckpointWrapper = ()  # type: ignore[assignment,misc]
+
 
 def blocks_to_checkpoint(
     module: nn.Module, block_classes: tuple[type, ...] | None, blocks_flag: object
@@ -47,11 +52,6 @@ def blocks_to_checkpoint(
 
 
 def check_not_checkpointed(module: nn.Module) -> None:
-    try:  # private torch path; without it, torch's own wrapper simply cannot be detected
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:
-        CheckpointWrapper = ()  # type: ignore[assignment,misc]
-
     already = checkpointed_blocks(module)
     if already:
         owner = wrapper_of(already[0]).owner  # type: ignore[union-attr]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 #: The optimizer-state entry holding a parameter's average.
@@ -117,8 +118,6 @@ class DeepSpeedStage3Layout(Layout):
 
 def layout_of(optimizer: Any) -> Layout:
     """The layout of an optimizer a strategy steps; ``ValueError`` for one whose weights cannot be found."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return ZeroLayout(optimizer)
     if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "params_in_nvme_and_cpu", False):

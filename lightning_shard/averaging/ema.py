@@ -25,11 +25,13 @@ import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from typing_extensions import override
 
 from lightning_shard.averaging._hooks import AverageHooks
 from lightning_shard.averaging._layouts import KEY, Layout, layout_of, local
+from lightning_shard.checkpoint import read_metadata
 
 
 class EMA(L.Callback):
@@ -118,8 +120,6 @@ class EMA(L.Callback):
         if path is None or not (Path(path) / ".metadata").is_file():
             return False
         if str(path) not in self._resumed_averages:
-            from lightning_shard.checkpoint import read_metadata
-
             keys = read_metadata(path).state_dict_metadata
             self._resumed_averages[str(path)] = any(k.endswith("." + KEY) for k in keys)
         return self._resumed_averages[str(path)]
@@ -253,8 +253,6 @@ class EMA(L.Callback):
 def _reshard(module: torch.nn.Module) -> None:
     """FSDP2 keeps parameters gathered after an evaluation forward at stage 2: drop those copies, so the
     next forward gathers the shards as now written."""
-    from torch.distributed.fsdp import FSDPModule
-
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()

@@ -316,7 +316,7 @@ def _peak_memory_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
     try:
-        import resource
+        import resource  # optional: resource (absent on Windows)
     except ImportError:  # pragma: no cover - Windows
         return math.nan
     # ru_maxrss is the process's peak resident set: KiB on Linux, bytes on macOS.

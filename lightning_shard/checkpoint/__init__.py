@@ -8,9 +8,10 @@ Layout of a sharded checkpoint ``<name>.ckpt/`` (a directory):
 
 Modules: :mod:`._commit` (``NAME.tmp`` -> rename, used by every writer), :mod:`.layout` (names,
 kinds), :mod:`.sharded` (DCP save / load into any layout), :mod:`.async_save` (background writes),
-:mod:`.weights` (full weights in one process, ``consolidate``), :mod:`.lightning_format` (any of them as
-the dict ``LightningModule.load_from_checkpoint`` reads; importing this package lets that classmethod read
-our directories), :mod:`._pickles` (``weights_only`` for the pickles DCP and DeepSpeed unpickle themselves),
+:mod:`.weights` (full weights in one process), :mod:`.lightning_format` (any of them as the dict
+``LightningModule.load_from_checkpoint`` reads, and ``consolidate``; importing this package lets that classmethod
+read our directories), :mod:`._dcp_metadata` and :mod:`._pickles` (``weights_only`` for the pickles DCP and
+DeepSpeed unpickle themselves),
 :mod:`._errors` (why a resume fails, said on every rank), :mod:`.hf_export` (a Hugging Face model directory from any
 of them, streamed file by file).
 """
@@ -35,15 +36,15 @@ from lightning_shard.checkpoint.layout import (
     read_metadata,
 )
 from lightning_shard.checkpoint.lightning_format import (
+    ConsolidateFormat,
+    consolidate,
     install_load_from_checkpoint,
     is_checkpoint_directory,
     load_lightning_checkpoint,
 )
 from lightning_shard.checkpoint.sharded import load_full_into, load_sharded_into, read_meta, save_sharded
 from lightning_shard.checkpoint.weights import (
-    ConsolidateFormat,
     check_deepspeed_checkpoint,
-    consolidate,
     load_full_state_dict,
     load_model_weights,
 )

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_shard._compat import flatten_state_dict
 from lightning_shard.checkpoint.storage import Location
 
 T = TypeVar("T")
@@ -143,8 +144,6 @@ def saved_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
 
 def target_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """Keys and global shapes of a state dict, flattened the way DCP's planner flattens it."""
-    from lightning_shard._compat import flatten_state_dict
-
     flat, _ = flatten_state_dict(dict(state))
     return {key: tuple(value.size()) if torch.is_tensor(value) else None for key, value in flat.items()}
 

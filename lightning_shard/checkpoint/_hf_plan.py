@@ -37,7 +37,7 @@ _INSTALL = "pip install 'lightning-shard[hf]'"
 
 def require_transformers() -> Any:
     try:
-        import transformers
+        import transformers  # optional: transformers (the hf extra)
     except ImportError as err:
         raise ImportError(
             f"Exporting a Hugging Face model directory needs transformers and safetensors: {_INSTALL}"
@@ -215,7 +215,9 @@ def split_files(
     names: dict[str, str], saved: dict[str, TensorInfo], dtype: torch.dtype | None, max_shard_size: int
 ) -> dict[str, list[str]]:
     """Output file -> Hugging Face names, cut as ``save_pretrained`` cuts them (``huggingface_hub``)."""
-    from huggingface_hub import split_state_dict_into_shards_factory
+    from huggingface_hub import (
+        split_state_dict_into_shards_factory,  # optional: huggingface_hub, with transformers
+    )
 
     def out_bytes(info: TensorInfo) -> int:
         itemsize = (dtype if dtype is not None and info.dtype.is_floating_point else info.dtype).itemsize

@@ -32,7 +32,9 @@ from lightning_shard.checkpoint.layout import (
     local_path,
     metadata_reader,
 )
+from lightning_shard.checkpoint.sharded import read_meta
 from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
+from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights, read_dcp_tensors
 
 SourceKind = Literal["sharded", "file", "deepspeed"]
 
@@ -101,8 +103,6 @@ class Source:
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``keys`` (and no others), whole, contiguous and owning their memory."""
         if self.kind == "sharded":
-            from lightning_shard.checkpoint.weights import read_dcp_tensors
-
             prefix = MODEL_KEY + "."
             with (
                 warnings.catch_warnings()
@@ -123,11 +123,7 @@ class Source:
         if self.kind == "file":
             return (self._file or {}).get("hyper_parameters")
         if self.kind == "sharded":
-            from lightning_shard.checkpoint.sharded import read_meta
-
             return read_meta(self.path, self.weights_only).get("hyper_parameters")
-        from lightning_shard.checkpoint.weights import deepspeed_model_states
-
         return deepspeed_model_states(
             local_path(str(self.path), "export(checkpoint)"), self.weights_only
         ).get("hyper_parameters")
@@ -139,7 +135,5 @@ class Source:
 
     def _deepspeed(self) -> dict[str, torch.Tensor]:
         if self._full is None:
-            from lightning_shard.checkpoint.weights import load_model_weights
-
             self._full = load_model_weights(self.path, self.weights_only)
         return self._full

@@ -121,7 +121,7 @@ def universal_checkpoint(path: Path, is_rank0: bool, barrier: Callable[[], None]
 
 
 def _convert(path: Path) -> Path:
-    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint import ds_to_universal  # optional: DeepSpeed
 
     try:
         root = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=_UNIVERSAL_SUFFIX, dir=path.parent))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_shard.checkpoint import _commit
 from lightning_shard.checkpoint._hf_plan import (
@@ -216,7 +217,7 @@ def write_files(
     plan: ExportPlan, names: list[str], tmp: Path, rank: int, source: Source | None = None
 ) -> WorkerReport:
     """One worker: each file's tensors read, cast, written and freed before the next file is read."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: safetensors (the hf extra)
 
     report = WorkerReport(rank=rank, files=list(names), baseline_rss_bytes=rss()[0])
     report.bytes_assigned = sum(plan.file_bytes(name) for name in names)
@@ -298,8 +299,6 @@ def _worker(rank: int, plan: ExportPlan, shares: list[list[str]], tmp: str, resu
 
 def _spawned(plan: ExportPlan, out: Path, workers: int, config: Any, model: Any) -> ExportReport:
     """``workers`` spawned processes write the files; this process writes the index and config and commits."""
-    import torch.multiprocessing as mp
-
     tmp = _commit.begin(out, True, lambda: None)
     shares = assign(plan, workers)
     with tempfile.TemporaryDirectory() as results:

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 _log = logging.getLogger(__name__)
 _SHOWN = 5  # keys named per kind of mismatch in an error; the rest are counted
@@ -175,7 +176,7 @@ class _SafetensorsSource(WeightSource):
 
 def _safe_open(file: Path) -> Any:
     try:
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional: safetensors
     except ImportError as err:
         raise InitWeightsError(
             f"init_weights={str(file)!r} is in the safetensors format, which needs the `safetensors`"
@@ -321,8 +322,6 @@ def match_keys(
 def _local_shape_and_offset(tensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     # Private torch API (torch.distributed.tensor._utils, checked on torch 2.13): the local shape and
     # global offset of this rank's shard, the same computation DCP uses to place shards on load.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     for placement in tensor.placements:
         # FSDP2's strided shard over a tensor-parallel split is still one slice (torch computes its offset);
         # a partial sum is not.

@@ -8,6 +8,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_shard.checkpoint._dcp_metadata import MetadataReader
 from lightning_shard.checkpoint.storage import Location, Remote, remote_metadata_reader, resolve
 
 META_FILENAME = "meta.pt"
@@ -40,8 +41,6 @@ def is_sharded_checkpoint(path: str | os.PathLike | Remote) -> bool:
 def metadata_reader(path: str | os.PathLike | Remote, weights_only: bool | None = None) -> FileSystemReader:
     """DCP's reader for ``path``; its ``.metadata`` unpickled with the restricted unpickler unless
     ``weights_only=False`` (DCP's own reader uses plain ``pickle``, which runs what a planted file names)."""
-    from lightning_shard.checkpoint._pickles import MetadataReader
-
     if isinstance(path, Remote):
         return remote_metadata_reader(path, weights_only)
     return FileSystemReader(str(path)) if weights_only is False else MetadataReader(str(path))

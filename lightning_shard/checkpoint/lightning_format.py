@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import lightning_shard.checkpoint._torch_files as torch_files
+from lightning_shard.checkpoint._commit import save_file
 from lightning_shard.checkpoint.layout import (
     META_FILENAME,
     MODEL_KEY,
@@ -33,7 +35,8 @@ from lightning_shard.checkpoint.layout import (
     is_sharded_checkpoint,
     local_path,
 )
-from lightning_shard.checkpoint.storage import Remote, follow_alias, resolve
+from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, resolve
+from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +91,6 @@ def load_lightning_checkpoint(
     ``weights_only`` as in ``torch.load`` (``None``: torch's default, ``True``). ``map_location``: a device
     (``"cuda:0"``, ``torch.device``) moves the weights there; anything else leaves them on the CPU.
     """
-    from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights
-
     path = follow_alias(resolve(given, "path"))
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
@@ -121,6 +122,33 @@ def load_lightning_checkpoint(
     return checkpoint
 
 
+ConsolidateFormat = Literal["lightning", "state_dict"]
+
+
+def consolidate(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    format: ConsolidateFormat = "lightning",
+    weights_only: bool | None = None,
+) -> Location:
+    """Write a checkpoint's full model weights as one ``torch.save`` file (``out`` may be an object-store URL).
+
+    ``format="lightning"``: a Lightning checkpoint holding the weights (what ``ModelCheckpoint(
+    save_weights_only=True)`` writes): ``LightningModule.load_from_checkpoint``, ``trainer.test(ckpt_path=...)``
+    and ``ShardStrategy(init_weights=...)`` read it. ``format="state_dict"``: the plain state dict, for
+    ``module.load_state_dict(torch.load(out))`` in code without Lightning.
+    """
+    if format not in ("lightning", "state_dict"):
+        raise ValueError(f"consolidate(format={format!r}) is unknown. Use 'lightning' or 'state_dict'.")
+    target = resolve(out, "consolidate(out)")  # a bad URL is refused before anything is read
+    if format == "lightning":
+        content: Mapping[str, Any] = load_lightning_checkpoint(path, weights_only=weights_only)
+    else:
+        content = load_model_weights(path, weights_only=weights_only)
+    save_file(dict(content), target)
+    return target
+
+
 _ADAPTER_FLAG = "_lightning_shard_adapter"
 
 
@@ -132,7 +160,9 @@ def install_load_from_checkpoint() -> bool:
     ``lightning-shard consolidate`` turns a directory into one.
     """
     try:
-        from lightning.pytorch.core import saving
+        from lightning.pytorch.core import (
+            saving,  # optional: lightning.pytorch (absent in a Fabric-only install)
+        )
     except ImportError:  # Lightning without its PyTorch half: nothing to adapt
         return False
     original = getattr(saving, "pl_load", None)

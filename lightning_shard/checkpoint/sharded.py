@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import lightning_shard.checkpoint._errors as errors
@@ -100,8 +101,6 @@ def _every_stage_shapes(engine: Any, model: Any) -> errors.Shapes | None:
     not enter a collective."""
     if getattr(engine.config, "pipeline_parallel_size", 1) <= 1:
         return None
-    import torch.distributed as dist
-
     shapes = errors.target_shapes({MODEL_KEY: engine.model_state_dict(model, full=False)})
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, shapes)

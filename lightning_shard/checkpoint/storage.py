@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from lightning_shard.checkpoint._dcp_metadata import RestrictedMetadata
 
 #: Schemes whose fsspec file systems write objects (tested against an S3 API; the others use the same calls).
 WRITABLE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
@@ -45,8 +48,6 @@ class Remote:
     """A location in an object store: ``s3://bucket/run/epoch=0-step=2.ckpt``."""
 
     def __init__(self, url: str, fs: Any = None) -> None:
-        import fsspec
-
         self.url = url.rstrip("/")
         self.fs = fs if fs is not None else fsspec.core.url_to_fs(self.url)[0]
         self.key = self.fs._strip_protocol(self.url)
@@ -133,9 +134,7 @@ def resolve(path: str | os.PathLike | Remote, flag: str) -> Location:
             f" mounted paths and to object stores: {', '.join(sorted(s + '://' for s in WRITABLE_SCHEMES))})."
             " Use a local path, a mounted directory, or one of those URLs."
         )
-    try:
-        import fsspec
-
+    try:  # the store's file system (s3fs, gcsfs, adlfs) is an optional extra
         fsspec.get_filesystem_class(protocol)
     except ImportError as err:
         raise ImportError(
@@ -187,9 +186,8 @@ def remote_metadata_reader(path: Remote, weights_only: bool | None) -> FsspecRea
     ``weights_only=False`` (as :func:`~lightning_shard.checkpoint.layout.metadata_reader` on disk)."""
     if weights_only is False:
         return FsspecReader(path.url)
-    from lightning_shard.checkpoint._pickles import RestrictedMetadata
-
-    class RemoteMetadataReader(RestrictedMetadata, FsspecReader):
-        pass
-
     return RemoteMetadataReader(path.url)
+
+
+class RemoteMetadataReader(RestrictedMetadata, FsspecReader):
+    """DCP's fsspec reader whose ``.metadata`` is unpickled with the restricted unpickler."""

@@ -1,4 +1,5 @@
-"""Full model weights out of any checkpoint, in one process: ``load_model_weights`` and ``consolidate``.
+"""Full model weights out of any checkpoint, in one process: ``load_model_weights`` (written as a file by
+:func:`~lightning_shard.checkpoint.lightning_format.consolidate`).
 
 ``weights_only`` follows ``torch.load``: ``None`` is torch's default (``True``), and only ``False`` lets a
 checkpoint's pickles name arbitrary globals (:mod:`._pickles` applies it to DCP's ``.metadata`` and to
@@ -11,7 +12,7 @@ import os
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +21,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 import lightning_shard.checkpoint._errors as errors
 import lightning_shard.checkpoint._torch_files as torch_files
-from lightning_shard.checkpoint._commit import save_file
 from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
 from lightning_shard.checkpoint.layout import (
     DEEPSPEED_TAG,
@@ -118,39 +118,10 @@ def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch
     if weights_only is not False:  # zero_to_fp32 unpickles every rank's files with weights_only=False
         check_deepspeed_pickles(sorted((path / DEEPSPEED_TAG).glob("*.pt")))
     # DeepSpeed's own reconstruction of fp32 weights from every rank's ZeRO partitions.
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # optional: DeepSpeed
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
     return {key: value.detach().clone() for key, value in state.items()}
-
-
-ConsolidateFormat = Literal["lightning", "state_dict"]
-
-
-def consolidate(
-    path: str | os.PathLike,
-    out: str | os.PathLike,
-    format: ConsolidateFormat = "lightning",
-    weights_only: bool | None = None,
-) -> Location:
-    """Write a checkpoint's full model weights as one ``torch.save`` file (``out`` may be an object-store URL).
-
-    ``format="lightning"``: a Lightning checkpoint holding the weights (what ``ModelCheckpoint(
-    save_weights_only=True)`` writes): ``LightningModule.load_from_checkpoint``, ``trainer.test(ckpt_path=...)``
-    and ``ShardStrategy(init_weights=...)`` read it. ``format="state_dict"``: the plain state dict, for
-    ``module.load_state_dict(torch.load(out))`` in code without Lightning.
-    """
-    from lightning_shard.checkpoint.lightning_format import load_lightning_checkpoint
-
-    if format not in ("lightning", "state_dict"):
-        raise ValueError(f"consolidate(format={format!r}) is unknown. Use 'lightning' or 'state_dict'.")
-    target = resolve(out, "consolidate(out)")  # a bad URL is refused before anything is read
-    if format == "lightning":
-        content: Mapping[str, Any] = load_lightning_checkpoint(path, weights_only=weights_only)
-    else:
-        content = load_model_weights(path, weights_only=weights_only)
-    save_file(dict(content), target)
-    return target
 
 
 def load_full_state_dict(
@@ -170,7 +141,7 @@ def load_full_state_dict(
         device = next((t.device for t in state.values() if torch.is_tensor(t)), torch.device("cpu"))
         module.load_state_dict({k: v.to(device) for k, v in weights.items()})
         return
-    import deepspeed
+    import deepspeed  # optional: DeepSpeed
 
     done: set[int] = set()
     for key, tensor in state.items():

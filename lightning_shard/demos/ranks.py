@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 #: What the fork server imports once, before it forks any rank.
@@ -67,12 +69,8 @@ def _entry(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
-    import torch
-
     torch.set_num_threads(1)
     result = fn(*args, **kwargs)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:

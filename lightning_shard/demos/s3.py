@@ -24,7 +24,7 @@ from lightning_shard.demos.ranks import free_port
 @contextmanager
 def local_s3_server(bucket: str = "ckpt", timeout_s: float = 30.0) -> Iterator[Any]:
     """Start moto's S3 server, create ``bucket``; yield an ``s3fs.S3FileSystem`` on it."""
-    import s3fs
+    import s3fs  # optional: s3fs (the s3 extra)
 
     port = free_port()
     server = subprocess.Popen(

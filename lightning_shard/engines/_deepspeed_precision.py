@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -90,8 +91,6 @@ class DeepSpeedPrecision(ShardPrecision):
     def convert_input(self, data: Any) -> Any:
         if not (self.engine_active and self.param_dtype is not None):
             return super().convert_input(data)
-        from lightning_utilities.core.apply_func import apply_to_collection
-
         dtype = self.param_dtype
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 

@@ -34,7 +34,7 @@ class OpBuild(NamedTuple):
 def build_deepspeed_ops() -> list[OpBuild]:
     """Load (building where needed) each op of :data:`OPS` this machine's accelerator can run."""
     try:
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # optional: DeepSpeed
     except ImportError as err:
         raise RuntimeError(
             "lightning-shard build-ops needs DeepSpeed: pip install --no-build-isolation 'lightning-shard[deepspeed]'"

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from lightning_shard import _compat
 from lightning_shard._modules import detect_block_classes, find_blocks
@@ -21,8 +22,6 @@ class ForwardRedirection(_compat.DDPForwardRedirection):
 
     def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
         super().on_after_inner_forward(wrapper_module, original_module)
-        from torch.distributed.fsdp import FSDPModule
-
         # Only where a backward follows the forward (a manual backward inside the step has run already).
         if (
             isinstance(wrapper_module, FSDPModule)
@@ -36,8 +35,6 @@ def fully_shard_model(
     module: nn.Module, config: Any, mesh: Any, mp_policy: Any, stage: int, group: bool
 ) -> nn.Module:
     """Shard ``module``'s repeated blocks (packed into units up to 25 MB with ``group``), then the root."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     if isinstance(module, FSDPModule):
         # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
         # fully_shard may be applied once per module, and the shards already hold the weights. An
@@ -80,8 +77,6 @@ def fully_shard_model(
 
 def offload_policy(config: Any, device_type: str) -> Any:
     """``offload_params="cpu"``: FSDP2's CPU offload, pinned by default where there is a device to copy to."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
     if config.offload_params != "cpu":
         return OffloadPolicy()
     # Pinned host memory speeds host-device copies; on a CPU-only run there are none to speed up.

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -78,8 +79,6 @@ def step_on_local_shards(optimizer: Optimizer) -> bool:
 def _has_step_hooks(optimizer: Optimizer) -> bool:
     """Step hooks on this optimizer or on every optimizer. torch keeps both under private names: where
     one cannot be read, hooks are assumed and the DTensor step kept."""
-    import torch.optim.optimizer as torch_optimizer
-
     hooks = [
         getattr(optimizer, "_optimizer_step_pre_hooks", None),
         getattr(optimizer, "_optimizer_step_post_hooks", None),

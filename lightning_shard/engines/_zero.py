@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
@@ -118,8 +119,6 @@ def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[
 def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[str, Any]:
     """Empty tensors, shaped from the checkpoint's metadata, for the entries this rank owns."""
     assert isinstance(zero, ZeroRedundancyOptimizer)
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     names = _param_names(model)
     entries = meta.state_dict_metadata
     state: dict[str, dict[str, Any]] = {}

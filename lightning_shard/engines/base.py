@@ -1,10 +1,11 @@
-"""The engine contract: everything ShardStrategy asks of a sharding engine, and nothing else.
+"""The engine contract: everything either front door asks of a sharding engine, and nothing else.
 
-ShardStrategy owns processes, the device mesh and Lightning's hooks; an engine owns how the module
+The doors own processes, the device mesh and their framework's hooks; an engine owns how the module
 and its optimizers are wrapped, how gradients are reduced and stepped, how state is saved and
-loaded, and what it must release at the end. The strategy builds one engine (``engines.build``)
-and talks to it only through this class, so a third engine is one more subclass and one more line
-in ``engines.build``, with no change to the strategy.
+loaded, and what it must release at the end. The core builds one engine (``engines.engine_class(name)``,
+in :func:`lightning_shard.core.transform.prepare`) and the doors talk to it only through this class, so a
+third engine is one more subclass and one more line in ``engines/__init__.py``'s table, with no change
+to either door.
 
 Lifecycle, per Trainer call (``fit``, ``validate``, ``test``, ``predict``; any order, any number)::
 
@@ -26,18 +27,21 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard import _compat
+from lightning_shard._meta import parameters_on_meta
+from lightning_shard.checkpoint import remove
+from lightning_shard.checkpoint._errors import on_every_rank
+from lightning_shard.checkpoint.init_weights import InitWeightsError, load_full_weights
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.config import ShardConfig
 from lightning_shard.precision import ShardPrecision
-
-if TYPE_CHECKING:
-    from lightning_shard.checkpoint.storage import Location
 
 PLACES = ("accelerator", "host", "nvme")
 KINDS = ("parameters", "gradients", "optimizer")
@@ -95,9 +99,6 @@ class StateBytes:
 
 def on_every_rank_init(path: str, load: Callable[[], Any]) -> None:
     """Run an ``init_weights`` load; if it fails on any rank, every rank raises ``InitWeightsError``."""
-    from lightning_shard.checkpoint._errors import on_every_rank
-    from lightning_shard.checkpoint.init_weights import InitWeightsError
-
     on_every_rank(Path(path), load, InitWeightsError)
 
 
@@ -119,8 +120,6 @@ class Engine(ABC):
     def construction_context(cls, config: ShardConfig, precision: ShardPrecision) -> Any:
         """Where ``configure_model`` builds modules: parameters on the meta device, sharded and allocated
         at set-up (``lightning_shard._meta``)."""
-        from lightning_shard._meta import parameters_on_meta
-
         return parameters_on_meta()
 
     def __init__(self, config: ShardConfig, precision: ShardPrecision, run: RunContext) -> None:
@@ -203,8 +202,6 @@ class Engine(ABC):
 
     def remove_checkpoint(self, path: Location) -> None:
         if self.run.is_global_zero:
-            from lightning_shard.checkpoint import remove
-
             remove(path)
 
     @abstractmethod
@@ -222,8 +219,6 @@ class Engine(ABC):
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         """Fill ``module`` (set up, its parameters allocated) from the full weights at ``path``, each rank
         reading only its own part."""
-        from lightning_shard.checkpoint.init_weights import load_full_weights
-
         on_every_rank_init(path, lambda: load_full_weights(module, path))
 
     def wait_for_checkpoints(self) -> None:  # noqa: B027
@@ -239,6 +234,4 @@ class Engine(ABC):
     @classmethod
     def destroy_world(cls) -> None:
         """Destroy the default process group and every group made after it (the strategy's teardown)."""
-        import torch.distributed as dist
-
         dist.destroy_process_group()

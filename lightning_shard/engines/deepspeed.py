@@ -28,9 +28,11 @@ from torch.optim import Optimizer
 
 from lightning_shard import checkpoint as ckpt
 from lightning_shard import offload
+from lightning_shard._compat import build_directory
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
+from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines._deepspeed_precision import (
@@ -63,7 +65,7 @@ class DeepSpeedEngine(Engine):
         if config.stage != 3:  # "auto" is resolved only at set-up, after configure_model
             return super().construction_context(config, precision)
         # ZeRO-3: DeepSpeed's partitioned construction, each parameter partitioned as it is created.
-        import deepspeed
+        import deepspeed  # optional: DeepSpeed
 
         deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
         ds_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -105,7 +107,7 @@ class DeepSpeedEngine(Engine):
             )
         setattr(module, _SET_UP, True)
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
-            import deepspeed
+            import deepspeed  # optional: DeepSpeed
 
             deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
             _rebind_partitioned(module)
@@ -179,7 +181,7 @@ class DeepSpeedEngine(Engine):
         return int(numel * per_param)
 
     def _initialize(self, module: nn.Module, optimizers: list[Optimizer], config: dict) -> tuple:
-        import deepspeed
+        import deepspeed  # optional: DeepSpeed
 
         if len(optimizers) != 1:
             raise ValueError(
@@ -205,7 +207,7 @@ class DeepSpeedEngine(Engine):
         ):
             return optimizer
         clear_stale_build_locks()
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional: DeepSpeed
 
         defaults = optimizer.defaults
         if defaults.get("amsgrad"):
@@ -353,7 +355,7 @@ class DeepSpeedEngine(Engine):
     def destroy_world(cls) -> None:
         # Through deepspeed.comm when DeepSpeed started: it also drops its cached groups, so the next
         # Trainer call's deepspeed.initialize makes them again on the new default group.
-        import deepspeed.comm as ds_comm
+        import deepspeed.comm as ds_comm  # optional: DeepSpeed
 
         if ds_comm.is_initialized():
             ds_comm.destroy_process_group()
@@ -364,9 +366,7 @@ class DeepSpeedEngine(Engine):
 def _load_partitioned(module: nn.Module, path: str, is_rank0: bool) -> None:
     """Full weights into parameters deepspeed.zero.Init partitioned: one parameter gathered at a time,
     filled on rank 0 from the file, partitioned again (no rank holds more than one whole parameter)."""
-    import deepspeed
-
-    from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
+    import deepspeed  # optional: DeepSpeed
 
     state = module.state_dict(keep_vars=True)
     targets = {
@@ -399,7 +399,7 @@ def _rebind_partitioned(module: nn.Module) -> None:
     partitioned = [p for p in module.parameters() if hasattr(p, "ds_process_group")]
     if not partitioned:
         return
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups  # optional: DeepSpeed
 
     group = groups._get_sequence_data_parallel_group()
     for param in partitioned:
@@ -412,8 +412,6 @@ def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path
     torch's build lock records no owner, so age is the test: a build of DeepSpeed's ops takes minutes,
     a lock older than ``max_age_s`` belongs to a build that died.
     """
-    from lightning_shard._compat import build_directory
-
     try:
         root = build_directory()
     except Exception:  # noqa: BLE001  (no build directory yet: nothing to clear)

@@ -34,13 +34,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 import lightning_shard.engines._zero as _zero
-from lightning_shard import _compat
+from lightning_shard import _compat, _ddp
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
+from lightning_shard.engines._ddp import wrap as wrap_ddp
 from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
@@ -170,8 +172,6 @@ class FSDPEngine(Engine):
         )
 
     def _ddp(self, module: nn.Module) -> nn.Module:
-        from lightning_shard import _ddp
-
         device = self.mesh.device_type
         device_ids = (
             None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
@@ -190,12 +190,10 @@ class FSDPEngine(Engine):
                 f"reduce_dtype={reduce_dtype}) both set how gradients are all-reduced at stages 0-1. Keep one."
             )
         if compression is not None:
-            from lightning_shard.compression import hook_and_state
-
             hook, state = hook_and_state(compression, self.mesh.get_group(), module)
             options["ddp_comm_hook"], options["ddp_comm_state"] = hook, state
             self.compression_state = (hook, state) if compression["method"] == "powersgd" else None
-        return _ddp.wrap(module, self.mesh.get_group(), device_ids, options)
+        return wrap_ddp(module, self.mesh.get_group(), device_ids, options)
 
     # --- training --------------------------------------------------------------------------------
 

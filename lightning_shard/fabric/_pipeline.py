@@ -5,26 +5,22 @@ A Fabric loop has no ``training_step`` for the schedule to run in place of, so e
 rank's stages under the schedule the flags name; the loss (the mean over microbatches) comes back on every
 stage, and the gradients are in ``.grad`` as after ``fabric.backward``. Clipping, the optimizer step,
 ``zero_grad``, accumulation (``fabric.no_backward_sync``) and checkpoints are the loop's usual calls. The
-cut, the schedule and the stage runner are the Trainer strategy's (:mod:`lightning_shard._pipeline_steps`,
-:mod:`lightning_shard.pipeline`); docs/fabric.md shows the loop.
+cut and the stage runner are made by the core's :func:`~lightning_shard.core.transform` (over
+:mod:`lightning_shard.pipeline`), as for the Trainer; docs/fabric.md shows the loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_shard._pipeline_steps import PIPELINE_KEY, cut_to_stages, pipeline_rank, stage_runner
-from lightning_shard._processes import guarded
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.config import ShardConfig
+from lightning_shard.core.processes import guarded
+from lightning_shard.core.transform import PIPELINE_KEY, LossFn, pipeline_rank
 from lightning_shard.pipeline import StageRunner
-from lightning_shard.pipeline.split import StagePlan
-
-LossFn = Callable[[Any, Any], Tensor]
 
 
 class FabricPipeline:
@@ -36,7 +32,6 @@ class FabricPipeline:
     precision: Any
     _model: nn.Module | None
     _pipeline: StageRunner | None = None
-    _plan: StagePlan | None = None
     _loss_fn: LossFn | None = None
 
     @property
@@ -44,30 +39,14 @@ class FabricPipeline:
         """This rank's pipeline stage (``None`` without pipeline stages)."""
         return pipeline_rank(self.device_mesh)
 
-    def _cut_to_stage(self, module: nn.Module) -> bool:
-        """Before the engine shards ``module``: keep only this rank's stages. True when the config changed
-        (the block classes to shard were detected on the whole model), so the engine must be rebuilt."""
-        stages, rank = self.config.pipeline_parallel_size, self.pipeline_stage
-        if rank is None:
-            return False
-        if self.precision.shard.scaler is not None:
+    def _check_pipeline_precision(self) -> None:
+        """Before set-up cuts the module to this rank's stages: the loss scaler cannot follow the schedule."""
+        if self.pipeline_stage is not None and self.precision.shard.scaler is not None:
             raise ValueError(
-                f"ShardFabricStrategy(pipeline_parallel_size={stages}) cannot scale the loss for"
-                " Fabric(precision='16-mixed'): the schedule's per-microbatch backward would skip the loss"
-                " scaler. Use precision='bf16-mixed', or pipeline_parallel_size=1."
+                f"ShardFabricStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) cannot scale"
+                " the loss for Fabric(precision='16-mixed'): the schedule's per-microbatch backward would skip the"
+                " loss scaler. Use precision='bf16-mixed', or pipeline_parallel_size=1."
             )
-        config, self._plan = cut_to_stages(module, self.config, rank, "ShardFabricStrategy")
-        changed, self.config = config != self.config, config
-        return changed
-
-    def _build_stage_runner(self, model: nn.Module) -> None:
-        """After the engine has sharded the stage: the stage runner and its schedule."""
-        rank = self.pipeline_stage
-        if rank is None:
-            return
-        self._pipeline = stage_runner(
-            model, self.config, rank, self.root_device, self.device_mesh, self._call_loss, self._plan
-        )
 
     def _call_loss(self, output: Any, target: Any) -> Tensor:
         assert self._loss_fn is not None

@@ -9,13 +9,10 @@ Trainer strategy's format (:mod:`._checkpoint`): written by either front door, r
 
 from __future__ import annotations
 
-import inspect
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
@@ -24,20 +21,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import _ddp
-from lightning_shard._processes import guarded
-from lightning_shard.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.engines import Engine, RunContext, TrainSettings, engine_class
+from lightning_shard.core import guarded, transform
+from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._pipeline import FabricPipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
 from lightning_shard.fabric._processes import FabricProcesses
 from lightning_shard.fabric._setup import rebind, refuse_trainer_only
-from lightning_shard.parallel import clip_grad_norm_, data_parallel_mesh, tensor_parallel_mesh
-
-#: ShardStrategy's own flags (everything ``ShardConfig.from_flags`` takes but the DDP options).
-FLAGS = frozenset(inspect.signature(ShardConfig.from_flags).parameters) - {"cls", "ddp_kwargs"}
+from lightning_shard.flags import args_doc, bind, takes_flags
+from lightning_shard.parallel import clip_grad_norm_
 
 
 class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
@@ -52,11 +46,13 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     docs/fabric.md.
     """
 
-    def __init__(self, stage: int | Literal["auto"] = 3, **flags: Any) -> None:
-        own = {key: value for key, value in flags.items() if key in FLAGS}
-        _, ddp_kwargs = _ddp.split_kwargs({key: value for key, value in flags.items() if key not in FLAGS})
-        own.setdefault("timeout", default_pg_timeout)
-        self._init_from(ShardConfig.from_flags(stage=stage, ddp_kwargs=ddp_kwargs, **own))
+    @takes_flags
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        flags, kwargs = bind("ShardFabricStrategy", args, kwargs)
+        _, ddp_kwargs = _ddp.split_kwargs(kwargs)
+        self._init_from(ShardConfig.from_flags(ddp_kwargs=ddp_kwargs, **vars(flags)))
+
+    __doc__ = (__doc__ or "").rstrip() + "\n\n" + args_doc() + "\n"
 
     @classmethod
     def from_config(cls, config: ShardConfig) -> ShardFabricStrategy:
@@ -117,23 +113,8 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.precision.shard.setup_device(self.root_device, None)  # the loss scaler agrees over every rank
-        if self.layout.multi_dimensional:
-            self.precision.shard.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=self.layout.pp)
-        self._engine = self._new_engine()
-
-    def _new_engine(self) -> Engine:
-        run = RunContext(
-            device=self.root_device,
-            mesh=data_parallel_mesh(self.device_mesh),
-            tp_mesh=tensor_parallel_mesh(self.device_mesh),
-            world_mesh=self.device_mesh,
-            global_rank=self.global_rank,
-            world_size=self.world_size,
-            backend=str(self.process_group_backend),
-            barrier=self.barrier,
-        )
-        return self._engine_class(self.config, self.precision.shard, run)
+        transform.prepare_precision(self.precision.shard, self)
+        self._engine = self._engine_class(self.config, self.precision.shard, self.run_context())
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -162,18 +143,19 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
                 "ShardFabricStrategy sets up one model per Fabric: fabric.setup was called with a second one"
                 f" ({type(module).__name__}). Put the models in one nn.Module, or use one Fabric per model."
             )
-        if self.config.activation_checkpointing is not None:
-            apply_activation_checkpointing(module, self.config.activation_checkpointing)
-        if self._cut_to_stage(module):  # pipeline stages: this rank keeps its own before anything shards it
-            self._engine = self._new_engine()
-        model = self.engine.setup_module(module)
-        self._build_stage_runner(model)
-        if self.config.init_weights is not None:
-            self.engine.load_full_weights(module, self.config.init_weights)
-        self.barrier()
-        self.apply_timeout()  # groups the engine made get the timeout flag's limit too
-        self._module, self._model = module, model
-        return model
+        self._check_pipeline_precision()
+        prepared = transform.prepare(
+            module,
+            self.config,
+            self.precision.shard,
+            self,
+            engine=self.engine,
+            loss_fn=self._call_loss,
+            owner="ShardFabricStrategy",
+        )
+        self.config, self._engine, self._pipeline = prepared.config, prepared.engine, prepared.pipeline
+        self._module, self._model = module, prepared.model
+        return prepared.model
 
     @override
     def setup_module_and_optimizers(
@@ -370,7 +352,7 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        from lightning_shard._registry import register_names
+        from lightning_shard.core.registry import register_names
 
         register_names(strategy_registry, cls)
 

@@ -15,11 +15,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 def _shards(tensor: Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(tensor, DTensor):
         return 1
     count = 1
@@ -33,8 +32,6 @@ def _shards(tensor: Tensor) -> int:
 def grad_norm(parameters: Iterable[Tensor], pipeline_stages: int = 1) -> Tensor:
     """The global 2-norm of the gradients of ``parameters`` (every rank passes all of its parameters; with
     ``pipeline_stages`` > 1, all of its stage's)."""
-    from torch.distributed.tensor import DTensor
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     total: Tensor | None = None
     for p in parameters:
@@ -54,8 +51,6 @@ def grad_norm(parameters: Iterable[Tensor], pipeline_stages: int = 1) -> Tensor:
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, pipeline_stages: int = 1) -> Tensor:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; returns the norm before."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in parameters if p.grad is not None]
     norm = grad_norm(params, pipeline_stages)
     # A 0-dim float32 factor: multiplies gradients of any dtype in place, on any device, without a sync.

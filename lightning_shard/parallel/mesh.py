@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.device_mesh import init_device_mesh
+
 DIMS = ("replicate", "shard", "tp")
 PIPELINE_DIMS = ("pp", *DIMS)
 
@@ -62,8 +64,6 @@ class MeshLayout:
 
     def build(self, device_type: str) -> Any:
         """The ``DeviceMesh`` over every rank (a collective: every rank calls it)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         if self.pp > 1:
             sizes = (self.pp, self.replicate, self.shard, self.tp)
             return init_device_mesh(device_type, sizes, mesh_dim_names=PIPELINE_DIMS)

@@ -21,6 +21,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_shard._modules import detect_block_classes
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +54,6 @@ def check_plan_flag(plan: Any) -> dict[str, Any] | None:
     """Construction-time check of ``tensor_parallel_plan``: a mapping of patterns to known styles."""
     if plan is None:
         return None
-    from torch.distributed.tensor.parallel import ParallelStyle
-
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(
             f"ShardStrategy(tensor_parallel_plan={plan!r}) must be a non-empty mapping from module-name patterns"
@@ -199,16 +210,6 @@ def _check_divisible(model: nn.Module, name: str, module: nn.Module, style: str,
 
 def to_styles(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, Any]:
     """torch ``ParallelStyle`` objects for a resolved plan, with sequence parallelism's entry and exit."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     sequence = [name for name, style in resolved.items() if style == "sequence"]
     region = _sequence_region(model, sequence) if sequence else []
     inside = tuple(f"{block}." for block in region)
@@ -239,8 +240,6 @@ def to_styles(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
     """The names of the repeated blocks that hold ``"sequence"`` modules, in model order."""
-    from lightning_shard._modules import detect_block_classes
-
     classes = detect_block_classes(model)
     blocks = [name for name, m in model.named_modules() if classes and isinstance(m, classes)]
     region: list[str] = []
@@ -265,8 +264,6 @@ def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: PlanSpec | None) -> dict[str, Any]:
     """Split ``model``'s layers over ``tp_mesh`` (before FSDP2 shards them); returns the resolved plan."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     resolved = resolve_plan(model, plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, to_styles(model, resolved))
     return resolved

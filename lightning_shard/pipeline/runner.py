@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -153,8 +155,6 @@ class StageRunner:
 
     def predict_step(self, inputs: tuple[Any, ...]) -> Any:
         """Forward only, without a loss; returns the last stage's output (on the CPU) on every stage."""
-        from lightning.fabric.utilities.apply_func import move_data_to_device
-
         check_microbatches(inputs, None, self.microbatches)
         if self._forward_only is None:
             self._forward_only = type(self.schedule)(self._target, self.microbatches)
@@ -195,8 +195,10 @@ def _weight_gradients_deferred(module: nn.Module) -> Iterator[None]:
     weight gradients are in; then FSDP's post-backward runs once per parameter group, as it does after an
     ordinary backward. (torch's stage does the same only for a stage module that is itself sharded; a
     rank's stages here are views of one sharded module.)"""
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed._composable.replicate_with_fsdp import (  # private torch path: a release without it fails only this path
+        ReplicateModule,
+        replicate,
+    )
 
     if not isinstance(module, FSDPModule):
         yield

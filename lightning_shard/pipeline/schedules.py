@@ -14,6 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
 PipelineScheduleName = Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"]
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -28,13 +35,6 @@ MICROBATCHES_PER_STAGE = 2
 
 def schedule_class(name: str) -> type[Any]:
     """The torch schedule class for ``name``."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
-
     classes: dict[str, type[Any]] = {
         "1f1b": Schedule1F1B,
         "gpipe": ScheduleGPipe,

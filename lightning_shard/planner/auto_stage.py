@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_shard._batch import batch_shape as batch_shape_of
+from lightning_shard.activation_checkpointing import ActivationCheckpointing
 from lightning_shard.planner.device import available_device_memory
 from lightning_shard.planner.search import choose_stage
 from lightning_shard.units import parse_size
@@ -106,8 +107,6 @@ def choose(
 
 def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
     """Resolve ``stage="auto"`` for ``strategy``: (stage, activation-checkpointing config, chosen if left open)."""
-    from lightning_shard.activation_checkpointing import ActivationCheckpointing
-
     config = strategy.config
     checkpointing = config.activation_checkpointing
     stage, chosen_policy = choose(

@@ -28,7 +28,7 @@ def available_device_memory(device: torch.device | str, local_world_size: int | 
 
 def _available_ram() -> int:
     try:
-        import psutil
+        import psutil  # optional: psutil
 
         return int(psutil.virtual_memory().available)
     except ImportError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lightning_shard.parallel.mesh import check_world
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.layout import Layout, LayoutOption
 from lightning_shard.planner.memory import Breakdown, Setting, breakdown
@@ -34,7 +35,6 @@ def check_sizes(
     world_size: int, tensor_parallel_size: int, replicate_size: int, cli: bool = False, pp: int = 1
 ) -> None:
     """The sizes must divide the world (the strategy's rule), named as ``plan(...)`` or the CLI takes them."""
-    from lightning_shard.parallel.mesh import check_world
 
     def flag(name: str, value: int) -> str:
         return f"--{name.replace('_', '-')} {value}" if cli else f"plan({name}={value})"

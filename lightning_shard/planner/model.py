@@ -182,7 +182,7 @@ def build_on_meta(
     Constructor arguments come as ``init_args`` (a dict) or as jsonargparse command-line arguments
     (``argv=["--model.n_layers", "12"]``), and are type-checked against the signature as LightningCLI does.
     """
-    from jsonargparse import ArgumentParser
+    from jsonargparse import ArgumentParser  # start-up cost: jsonargparse, only for --model class paths
 
     module_name, _, class_name = class_path.rpartition(".")
     if not module_name:

@@ -126,7 +126,7 @@ def plot_bars(
     """Stacked bars of ``bars`` (label, row) in GB, with the device-memory and usable lines, as a PNG."""
     try:
         # A bare Figure, not pyplot: no global backend switch and no window, in a notebook or a job.
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # optional: matplotlib (the plot extra)
     except ImportError as err:
         raise PlanInputError(
             f"--plot {path} needs matplotlib, which is not installed. Run: pip install lightning-shard[plot]"

@@ -5,6 +5,7 @@ its exit code is what a scheduler would see. Used by the exit tests and benchmar
 
     --hang-rank R     rank R sleeps inside training_step at step --hang-step (a hung rank)
     --step-sleep S    seconds each training step sleeps (time to send a signal mid-training)
+    --die-rank R      rank R exits at once (os._exit) at step --die-step, in torchrun's first attempt only
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ from lightning_shard.demos import GPTModule, TextDataModule
 
 
 class JobModule(GPTModule):
-    def __init__(self, hang_rank: int, hang_step: int, step_sleep: float) -> None:
+    def __init__(
+        self, hang_rank: int, hang_step: int, step_sleep: float, die_rank: int = -1, die_step: int = 3
+    ) -> None:
         super().__init__(vocab_size=256, d_model=32, n_layers=2, n_heads=2, seq_len=32, lr=1e-3)
         self.hang_rank, self.hang_step, self.step_sleep = hang_rank, hang_step, step_sleep
+        self.die_rank, self.die_step = die_rank, die_step
 
     def training_step(self, batch, batch_idx):  # type: ignore[override]
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.global_rank == self.die_rank and self.global_step == self.die_step and first_attempt:
+            print(f"rank {self.global_rank} dies at step {self.global_step}", flush=True)
+            os._exit(1)
         if self.global_rank == self.hang_rank and self.global_step == self.hang_step:
             print(
                 f"rank {self.global_rank} hangs at step {self.global_step} at {time.time():.3f}", flush=True
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-step", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--die-step", type=int, default=3)
     parser.add_argument("--resume", default=None)
     parser.add_argument(
         "--then-test", action="store_true", help="fit again (2 more steps), then test: same Trainer"
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = JobModule(args.hang_rank, args.hang_step, args.step_sleep)
+    model = JobModule(args.hang_rank, args.hang_step, args.step_sleep, args.die_rank, args.die_step)
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     trainer.fit(model, data, ckpt_path=args.resume)
     import torch.distributed as dist

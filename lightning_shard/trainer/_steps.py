@@ -3,8 +3,8 @@
 Backward (the engine's own where it owns the step), the training / evaluation steps routed through the
 wrapper's forward (where its hooks gather parameters and reduce gradients), the optimizer step with
 non-finite skipping and manual optimization, and accumulation without gradient sync. Kept apart from
-the strategy's set-up and flags (:mod:`lightning_shard.strategy`) and its checkpoints
-(:mod:`lightning_shard._checkpoint_hooks`).
+the strategy's set-up and flags (:mod:`lightning_shard.trainer.strategy`) and its checkpoints
+(:mod:`lightning_shard.trainer._checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import lightning as L
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_shard._preemption import Preemption
-from lightning_shard._processes import ProcessGroupStrategy, guarded
+from lightning_shard.core.processes import guarded
 from lightning_shard.engines import Engine
-from lightning_shard.nonfinite import NonFiniteGuard
+from lightning_shard.trainer._preemption import Preemption
+from lightning_shard.trainer._processes import ProcessGroupStrategy
+from lightning_shard.trainer.nonfinite import NonFiniteGuard
 
 
 class EngineSteps(ProcessGroupStrategy):

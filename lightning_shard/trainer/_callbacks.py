@@ -18,7 +18,7 @@ docs/callbacks.md). ``EarlyStopping``, ``ModelCheckpoint`` + ``test(ckpt_path="b
   ``gradient_accumulation_steps`` when its engine is built and silently steps at the old boundary: refused.
 
 :func:`adapt` does all of it, and refuses Lightning's averaging callbacks where they cannot work
-(:mod:`lightning_shard._lightning_callbacks`) and feeds ``ThroughputMonitor`` its FLOPs
+(:mod:`lightning_shard.trainer._refused_callbacks`) and feeds ``ThroughputMonitor`` its FLOPs
 (:func:`lightning_shard.callbacks.feed_throughput_monitor`); ShardStrategy calls it at the end of ``setup``
 (once the optimizers exist).
 """
@@ -42,10 +42,10 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from torch import nn
 from typing_extensions import override
 
-from lightning_shard._lightning_callbacks import check_callbacks
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
 from lightning_shard.checkpoint import local_path
 from lightning_shard.checkpoint.storage import resolve
+from lightning_shard.trainer._refused_callbacks import check_callbacks
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
 _ADAPTED = "_lightning_shard_adapted"

@@ -18,20 +18,15 @@ import lightning as L
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_shard._modules import detect_block_classes
-from lightning_shard._processes import guarded
-from lightning_shard._steps import EngineSteps
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
-from lightning_shard.pipeline.split import StagePlan
+from lightning_shard.core.processes import guarded
+from lightning_shard.core.transform import PIPELINE_KEY, pipeline_rank
+from lightning_shard.pipeline import StageRunner
+from lightning_shard.trainer._steps import EngineSteps
 
 log = logging.getLogger(__name__)
-#: Set on a LightningModule once it is cut to its stages: the plan (a later Trainer call finds it cut).
-_STAGE = "_lightning_shard_pipeline_stage"
-#: In the checkpoints of a run with pipeline stages: how many.
-PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
 
 
 def check_contract(module: L.LightningModule, stages: int) -> None:
@@ -78,44 +73,6 @@ def predict_inputs(module: L.LightningModule, batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
-def pipeline_rank(mesh: Any) -> int | None:
-    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
-    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
-
-
-def cut_to_stages(module: Any, config: ShardConfig, rank: int, owner: str) -> tuple[ShardConfig, StagePlan]:
-    """Keep only pipeline rank ``rank``'s stages of ``module``, before anything shards it; the config (with
-    the block classes to shard, detected on the whole model where not given) and the plan that cut it."""
-    if config.shard_modules is None:
-        # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
-        config = config.replace(shard_modules=detect_block_classes(module) or None)
-    total = config.pipeline_parallel_size * config.stages_per_rank
-    plan = plan_stages(module, total, config.pipeline_split_points)
-    own = stages_of_rank(rank, config.pipeline_parallel_size, config.stages_per_rank)
-    keep_stage(module, plan, own)
-    for stage in own:
-        log.info("%s: pipeline stage %d of %d holds %s", owner, stage, total, list(plan.blocks_of(stage)))
-    return config, plan
-
-
-def stage_runner(
-    model: Any, config: ShardConfig, rank: int, device: Any, mesh: Any, loss_fn: Any, plan: StagePlan | None
-) -> StageRunner:
-    """The runner of pipeline rank ``rank``'s stages of the set-up ``model`` under the flags' schedule."""
-    size, per_rank = config.pipeline_parallel_size, config.stages_per_rank
-    return StageRunner(
-        model,
-        stages_of_rank(rank, size, per_rank),
-        size * per_rank,
-        device,
-        mesh["pp"].get_group(),
-        config.pipeline_schedule,
-        config.microbatches,
-        loss_fn,
-        plan,
-    )
-
-
 class PipelineSteps(EngineSteps):
     """Lightning's step hooks, run through a pipeline schedule when ``pipeline_parallel_size > 1``."""
 
@@ -129,43 +86,18 @@ class PipelineSteps(EngineSteps):
         """This rank's pipeline stage (``None`` without pipeline stages)."""
         return pipeline_rank(self.device_mesh)
 
-    def _cut_to_stage(self) -> None:
-        """Before the engine shards the module: keep only this rank's stages of it (once per module)."""
-        stages, rank = self.config.pipeline_parallel_size, self.pipeline_stage
-        if rank is None:
+    def _check_pipeline_contract(self) -> None:
+        """Before set-up cuts the module to this rank's stages: what the LightningModule and precision must meet."""
+        stages = self.config.pipeline_parallel_size
+        if self.pipeline_stage is None:
             return
-        module = self._lm
-        check_contract(module, stages)
+        check_contract(self._lm, stages)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 f"ShardStrategy(pipeline_parallel_size={stages}) cannot scale the loss for Trainer(precision="
                 "'16-mixed'): the schedule's per-microbatch backward would skip the loss scaler. Use"
                 " precision='bf16-mixed', or pipeline_parallel_size=1."
             )
-        if self.config.shard_modules is None:
-            # Detected on the whole model, also when a later Trainer call finds the module already cut.
-            self.config = self.config.replace(shard_modules=detect_block_classes(module) or None)
-        if getattr(module, _STAGE, None) is not None:
-            return
-        self.config, plan = cut_to_stages(module, self.config, rank, "ShardStrategy")
-        setattr(module, _STAGE, plan)
-
-    def _build_stage_runner(self) -> None:
-        """After the engine has wrapped the module: the stage and the schedule that run it."""
-        rank = self.pipeline_stage
-        if rank is None:
-            self._pipeline = None
-            return
-        assert self.model is not None
-        self._pipeline = stage_runner(
-            self.model,
-            self.config,
-            rank,
-            self.root_device,
-            self.device_mesh,
-            self._lm.pipeline_loss,  # checked at set-up (check_contract)
-            getattr(self._lm, _STAGE),
-        )
 
     @override
     @guarded

@@ -1,7 +1,9 @@
-"""The process side of ShardStrategy: ranks, process groups, the device mesh, collectives, exits.
+"""The process side both front doors share: ranks, process groups, the device mesh, collectives, exits.
 
-Kept apart from the strategy's model side (engine, optimizers, checkpoints) so each stays one job.
-Nothing here knows about sharding.
+The strategy-side half, :class:`~lightning_shard.core.process_groups.ProcessGroups`, is mixed into each
+door's strategy; this module holds what is per process: the default group and its store, the groups
+released at exit, collective failures, and the reaping of child ranks. Nothing here knows about sharding
+or imports ``lightning.pytorch``.
 
 Process groups live as long as the process, as under Lightning's ``DDPStrategy``: the default group
 (made here unless the user or torchrun's agent made one first) and the device mesh are made at the
@@ -12,7 +14,12 @@ commit their pending checkpoints first, then every group this package made is de
 own ``init_process_group`` is left alone). ``timeout`` applies to every group, and a collective that
 exceeds it raises :class:`CollectiveTimeoutError`; from then on every collective of the strategy
 raises too (the ranks no longer agree on anything), never a local value. Child ranks started by
-Lightning's launcher are waited for when rank 0 exits, and stopped if they do not follow.
+either door's launcher (:class:`ReapChildren`) are waited for when rank 0 exits, and stopped if they do
+not follow.
+
+Under torchrun's elastic agent the rendezvous store outlives the workers: a restarted attempt keys its
+groups by ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` (:func:`store_prefix`), so it never
+reads the addresses the dead attempt's ranks wrote there.
 """
 
 from __future__ import annotations
@@ -31,14 +38,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor
-from typing_extensions import override
 
 from lightning_shard import _compat
-from lightning_shard.parallel.mesh import MeshLayout
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,12 +90,25 @@ def init_process_group(
     log.info("Initializing distributed: GLOBAL_RANK: %d, MEMBER: %d/%d", rank, rank + 1, world_size)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"lightning_shard/{_generation}", _STORES[address, port]),
+        store=dist.PrefixStore(store_prefix(_generation), _STORES[address, port]),
         rank=rank,
         world_size=world_size,
         **kwargs,
     )
     _world_made, _collective_failed = True, False
+
+
+def store_prefix(generation: int) -> str:
+    """The key prefix of the default group made for the ``generation``-th time in this process.
+
+    torchrun's agent keeps one rendezvous store across the restarts of its workers, and every restarted
+    process counts its generations from 1 again: keyed by generation alone, a restarted attempt would read
+    the keys of the attempt that died and dial its ranks' dead addresses. The run id and the agent's restart
+    count (both set by torchrun for each worker; absent elsewhere) tell the attempts apart.
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"lightning_shard/{run}/{attempt}/{generation}" if run else f"lightning_shard/{generation}"
 
 
 def _release_all_at_exit() -> None:
@@ -188,6 +202,11 @@ def join_live(strategy: Any, key: int) -> int:
     return key
 
 
+def owns_world() -> bool:
+    """Whether this package made the default group now alive (then it destroys it at exit)."""
+    return _world_made
+
+
 def world_generation() -> int:
     """How many times this package has made the default group (a mesh from an older one is stale)."""
     return _generation
@@ -227,198 +246,33 @@ def timeout_error(
     )
 
 
-class ProcessGroupStrategy(ParallelStrategy):
-    """Starts one process per device (or joins torchrun / SLURM ones), the process group and the device mesh
-    (one data-parallel dimension, or ``([pp,] replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`)."""
-
-    def __init__(
-        self,
-        backend: str | None,
-        timeout: timedelta | None,
-        replicate_size: int = 1,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._mesh_sizes = (replicate_size, tensor_parallel_size, pipeline_parallel_size)
-        self._requested_backend = backend
-        self._process_group_backend: str | None = backend
-        self._timeout = timeout
-        self._device_mesh: Any = None
-        self._mesh_generation = -1
-        self.num_nodes = 1
-        self._groups_before: set[Any] | None = None  # groups alive before this strategy made its own
-        self._timed_out = False  # a collective failed: the groups can no longer be trusted
-        self._live_key = -1
-
-    @property
-    def device_mesh(self) -> Any:
-        if self._device_mesh is None:
-            raise RuntimeError("ShardStrategy.device_mesh is only available once processes have started.")
-        return self._device_mesh
-
-    @property
-    def layout(self) -> MeshLayout:
-        """The world as ``pp x replicate x shard x tp`` (checked against the world size when the Trainer is built)."""
-        return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of one tensor-parallel group, and the stages of one pipeline, read the same batches.
-        layout = self.layout
-        return {
-            "num_replicas": layout.data_parallel_size,
-            "rank": layout.data_parallel_rank(self.global_rank),
-        }
-
-    @property
-    def is_distributed(self) -> bool:
-        # Read by Lightning's connector: a custom strategy must say so to get a DistributedSampler.
-        return True
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Runs while the Trainer is built: sizes that do not divide the world fail before any process starts.
-        self.layout  # noqa: B018
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = ShardLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._requested_backend or _compat.default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        self._connect()
-
-    def _connect(self) -> None:
-        """Join the process group and build the device mesh, once: later Trainer calls reuse both."""
-        if not _compat.distributed_is_initialized():
-            assert self._process_group_backend is not None
-            device_id = self.root_device if self.root_device.type != "cpu" else None
-            init_process_group(
-                self.cluster_environment, self._process_group_backend, self._timeout, device_id
-            )
-            self._timed_out = False  # a new world: an earlier one's failure is behind it
-        if self._device_mesh is None or self._mesh_generation != _generation:
-            if self._groups_before is None:
-                self._groups_before = set(_compat.live_process_groups())
-            self._device_mesh = self.layout.build(self.root_device.type)
-            self._mesh_generation = _generation
-        self._live_key = join_live(self, self._live_key)
-        self.apply_timeout()
-
-    # --- groups this strategy made: timeouts and release -----------------------------------------
-
-    @property
-    def _owns_world(self) -> bool:
-        return _world_made
-
-    def _own_groups(self) -> list[Any]:
-        """The process groups this strategy (or its engine) made; all of them when this package made the
-        default group."""
-        return own_groups(self._groups_before)
-
-    def apply_timeout(self) -> None:
-        """Give every group this strategy (or its engine) made the ``timeout`` flag's limit."""
-        apply_timeout(self._groups_before, self._timeout)
-
-    def _destroy_world(self) -> None:
-        """Destroy the default process group and every group made after it."""
-        dist.destroy_process_group()
-
-    def _release_at_exit(self) -> None:
-        """Exit: destroy the groups this strategy made (the default one too, when this package made it).
-        No barrier: the other ranks may be gone."""
-        release_groups(
-            self._live_key, self._groups_before, self._destroy_world, self._device_mesh is not None
-        )
-        self._device_mesh = None
-
-    def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
-        self._timed_out = True
-        return timeout_error(type(self).__name__, where, self.global_rank, self._timeout, error)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    @guarded
-    def barrier(self, name: str | None = None) -> None:
-        if not _compat.distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    @guarded
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _compat.distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    @guarded
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _compat.sync_ddp(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    @guarded
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-
-class ShardLauncher(_compat.SubprocessScriptLauncher):  # type: ignore[misc,valid-type]
-    """Lightning's script launcher, plus: rank 0, exiting, waits for the ranks it started, then stops
+class ReapChildren:
+    """Mixed into a door's subprocess launcher: rank 0, exiting, waits for the ranks it started, then stops
     any still running (a rank hung in its training step would otherwise outlive the job)."""
 
-    def _call_children_scripts(self) -> None:
-        super()._call_children_scripts()
-        atexit.register(self._reap_children, list(self.procs))
+    procs: list[subprocess.Popen]
 
-    @staticmethod
-    def _reap_children(procs: list[subprocess.Popen]) -> None:
-        grace_s = CHILD_EXIT_GRACE_AFTER_FAILURE_S if _collective_failed else CHILD_EXIT_GRACE_S
-        for rank, proc in enumerate(procs, start=1):
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.error(
-                    "ShardStrategy: rank %d (pid %d) is still running %.0f s after rank 0 finished; stopping it.",
-                    rank,
-                    proc.pid,
-                    grace_s,
-                )
-                proc.kill()
-                proc.wait()
-            if proc.returncode:
-                log.error(
-                    "ShardStrategy: rank %d (pid %d) exited with code %d.", rank, proc.pid, proc.returncode
-                )
+    def _call_children_scripts(self) -> None:
+        super()._call_children_scripts()  # type: ignore[misc]
+        atexit.register(reap_children, list(self.procs))
+
+
+def reap_children(procs: list[subprocess.Popen]) -> None:
+    """Wait for each child rank; stop one still running after the grace period, and log its exit code."""
+    grace_s = CHILD_EXIT_GRACE_AFTER_FAILURE_S if _collective_failed else CHILD_EXIT_GRACE_S
+    for rank, proc in enumerate(procs, start=1):
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.error(
+                "lightning_shard: rank %d (pid %d) is still running %.0f s after rank 0 finished; stopping it.",
+                rank,
+                proc.pid,
+                grace_s,
+            )
+            proc.kill()
+            proc.wait()
+        if proc.returncode:
+            log.error(
+                "lightning_shard: rank %d (pid %d) exited with code %d.", rank, proc.pid, proc.returncode
+            )

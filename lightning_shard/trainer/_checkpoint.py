@@ -17,10 +17,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import _compat
-from lightning_shard._processes import guarded
-from lightning_shard._steps import EngineSteps
 from lightning_shard.checkpoint.storage import Remote, follow_alias, newest_last, resolve
 from lightning_shard.config import ShardConfig
+from lightning_shard.core.processes import guarded
+from lightning_shard.trainer._steps import EngineSteps
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,234 @@
+"""The process side as a strategy sees it: :class:`ProcessGroups`, mixed into each front door's strategy.
+
+It joins the world (:mod:`.processes`), lays out the device mesh, applies the ``timeout`` flag, runs the
+collectives a user calls on ``trainer.strategy`` / ``fabric.strategy``, and builds the run context an
+engine reads. It reads only what both Lightning ``ParallelStrategy`` bases provide (``cluster_environment``,
+``parallel_devices``, ``local_rank``, ``global_rank``, ``node_rank``, ``world_size``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_shard import _compat
+from lightning_shard.core.processes import (
+    CollectiveTimeoutError,
+    apply_timeout,
+    guarded,
+    init_process_group,
+    join_live,
+    own_groups,
+    owns_world,
+    release_groups,
+    timeout_error,
+    world_generation,
+)
+from lightning_shard.engines import RunContext
+from lightning_shard.parallel import data_parallel_mesh, tensor_parallel_mesh
+from lightning_shard.parallel.mesh import MeshLayout
+
+
+def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Tensor | Any:
+    """All-reduce ``tensor`` (``"mean"``, ``"sum"`` or a ``ReduceOp``); anything else is returned as it is."""
+    if isinstance(tensor, Tensor):
+        return _compat.sync_ddp(tensor, group, reduce_op=reduce_op)
+    return tensor
+
+
+class ProcessGroups:
+    """One process per device (or torchrun's / SLURM's), the process group and the device mesh (one
+    data-parallel dimension, or ``([pp,] replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`).
+
+    A mixin listed before a framework's ``ParallelStrategy`` in each door's bases, so these methods win.
+    Each door names its launcher class (:attr:`launcher_class`) and its all-reduce hook (the Trainer's
+    ``reduce``, Fabric's ``all_reduce``: both :func:`reduce_tensor`).
+    """
+
+    #: The door's subprocess launcher, with :class:`ReapChildren` mixed in.
+    launcher_class: type
+
+    def __init__(
+        self,
+        backend: str | None,
+        timeout: timedelta | None,
+        replicate_size: int = 1,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._mesh_sizes = (replicate_size, tensor_parallel_size, pipeline_parallel_size)
+        self._requested_backend = backend
+        self._process_group_backend: str | None = backend
+        self._timeout = timeout
+        self._device_mesh: Any = None
+        self._mesh_generation = -1
+        self._num_nodes = 1
+        self._groups_before: set[Any] | None = None  # groups alive before this strategy made its own
+        self._timed_out = False  # a collective failed: the groups can no longer be trusted
+        self._live_key = -1
+
+    # Read from the framework's ParallelStrategy.
+    cluster_environment: Any
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    global_rank: int
+    node_rank: int
+    world_size: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.device_mesh is only available once processes have started (after the"
+                " Trainer set the model up, or after fabric.launch())."
+            )
+        return self._device_mesh
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The world as ``pp x replicate x shard x tp`` (checked against the world size before any process starts)."""
+        return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of one tensor-parallel group, and the stages of one pipeline, read the same batches.
+        layout = self.layout
+        return {
+            "num_replicas": layout.data_parallel_size,
+            "rank": layout.data_parallel_rank(self.global_rank),
+        }
+
+    def _configure_launcher(self) -> None:
+        # Runs while the Trainer / Fabric is built: sizes that do not divide the world fail before any
+        # process starts.
+        self.layout  # noqa: B018
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._requested_backend or _compat.default_backend(self.root_device)
+        self._connect()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _connect(self) -> None:
+        """Join the process group and build the device mesh, once: later calls reuse both."""
+        if not _compat.distributed_is_initialized():
+            assert self._process_group_backend is not None
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            init_process_group(
+                self.cluster_environment, self._process_group_backend, self._timeout, device_id
+            )
+            self._timed_out = False  # a new world: an earlier one's failure is behind it
+        if self._device_mesh is None or self._mesh_generation != world_generation():
+            if self._groups_before is None:
+                self._groups_before = set(_compat.live_process_groups())
+            self._device_mesh = self.layout.build(self.root_device.type)
+            self._mesh_generation = world_generation()
+        self._live_key = join_live(self, self._live_key)
+        self.apply_timeout()
+
+    def run_context(self) -> RunContext:
+        """What an engine needs to know about these processes (:class:`~lightning_shard.engines.RunContext`)."""
+        return RunContext(
+            device=self.root_device,
+            mesh=data_parallel_mesh(self.device_mesh),
+            tp_mesh=tensor_parallel_mesh(self.device_mesh),
+            world_mesh=self.device_mesh,
+            global_rank=self.global_rank,
+            world_size=self.world_size,
+            backend=str(self.process_group_backend),
+            barrier=self.barrier,
+        )
+
+    # --- groups this strategy made: timeouts and release -----------------------------------------
+
+    @property
+    def _owns_world(self) -> bool:
+        return owns_world()
+
+    def _own_groups(self) -> list[Any]:
+        """The process groups this strategy (or its engine) made; all of them when this package made the
+        default group."""
+        return own_groups(self._groups_before)
+
+    def apply_timeout(self) -> None:
+        """Give every group this strategy (or its engine) made the ``timeout`` flag's limit."""
+        apply_timeout(self._groups_before, self._timeout)
+
+    def _destroy_world(self) -> None:
+        """Destroy the default process group and every group made after it."""
+        dist.destroy_process_group()
+
+    def _release_at_exit(self) -> None:
+        """Exit: destroy the groups this strategy made (the default one too, when this package made it).
+        No barrier: the other ranks may be gone."""
+        release_groups(
+            self._live_key, self._groups_before, self._destroy_world, self._device_mesh is not None
+        )
+        self._device_mesh = None
+
+    def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
+        self._timed_out = True
+        return timeout_error(type(self).__name__, where, self.global_rank, self._timeout, error)
+
+    # --- collectives (before, during and after a run, until exit) --------------------------------
+
+    @guarded
+    def barrier(self, name: str | None = None) -> None:
+        if not _compat.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @guarded
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @guarded
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]

@@ -1,0 +1,176 @@
+"""One module made ready for a run, the same way from either front door.
+
+:func:`prepare` is the only place where the order of the model transforms is written. Both doors call it
+(the Trainer's at ``setup``, Fabric's at ``fabric.setup``) with the flags validated into one
+:class:`~lightning_shard.ShardConfig` and the processes already joined; a new capability adds one step
+here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` functions are read:
+
+1. activation checkpointing, on the whole model (a pipeline stage may keep too few blocks to detect
+   their class from);
+2. the pipeline cut: this rank keeps its own stages, before anything shards them;
+3. the engine (:mod:`lightning_shard.engines`), built for the config as now resolved, sets the module up.
+   The FSDP engine applies, in this order, tensor parallelism, ``torch.compile`` per block, FSDP2 (or DDP /
+   ZeRO-1 at stages 0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine
+   hands the module to ``deepspeed.initialize``;
+4. the pipeline stage runner, over the set-up stage;
+5. ``init_weights``: the full weights read into the shards, each rank its own slices;
+6. a barrier, and the ``timeout`` flag's limit on every group the engine made.
+
+Steps 1, 2 and 5 run once per module (a later Trainer call, or a second front door, finds the module
+already transformed); they leave marks on the module for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_shard._modules import detect_block_classes
+from lightning_shard.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.config import ShardConfig
+from lightning_shard.core.process_groups import ProcessGroups
+from lightning_shard.engines import Engine, engine_class
+from lightning_shard.parallel import clip_grad_norm_
+from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
+from lightning_shard.pipeline.split import StagePlan
+from lightning_shard.precision import ShardPrecision
+
+log = logging.getLogger(__name__)
+
+#: In the checkpoints of a run with pipeline stages: how many.
+PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
+#: Marks left on a prepared module: its stage plan, the block classes detected on the whole model, the
+#: activation checkpointing applied, the full weights loaded.
+_STAGE = "_lightning_shard_pipeline_stage"
+_BLOCKS = "_lightning_shard_block_classes"
+_CHECKPOINTED = "_lightning_shard_checkpointed"
+_WEIGHTS = "_lightning_shard_weights_loaded"
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` hands back to the door."""
+
+    model: nn.Module
+    """What runs: the engine's wrapper (DDP, DeepSpeed) or the module itself, sharded in place."""
+    engine: Engine
+    config: ShardConfig
+    """The flags as resolved on the module (the block classes detected for a pipeline cut)."""
+    pipeline: StageRunner | None
+    """This rank's pipeline stages and their schedule (``None`` without pipeline stages)."""
+
+
+def prepare(
+    module: nn.Module,
+    config: ShardConfig,
+    precision: ShardPrecision,
+    processes: ProcessGroups,
+    *,
+    engine: Engine | None = None,
+    loss_fn: LossFn | None = None,
+    owner: str = "ShardStrategy",
+) -> Prepared:
+    """Transform ``module`` for the run, every step in its order (see the module's docstring).
+
+    Args:
+        module: the user's module (the LightningModule, or Fabric's ``nn.Module``), built on real memory
+            or on the meta device.
+        config: the validated flags.
+        precision: the engine's precision plugin.
+        processes: the door's strategy, its processes joined (:class:`~.processes.ProcessGroups`).
+        engine: an engine already built for ``config``; rebuilt when step 2 resolves the config further.
+        loss_fn: the loss of one microbatch on the last pipeline stage (pipeline stages only).
+        owner: the door's class name, for log lines.
+    """
+    # 1. Activation checkpointing.
+    if config.activation_checkpointing is not None and not getattr(module, _CHECKPOINTED, False):
+        apply_activation_checkpointing(module, config.activation_checkpointing)
+        setattr(module, _CHECKPOINTED, True)
+    # 2. The pipeline cut.
+    rank = pipeline_rank(processes.device_mesh)
+    plan = None
+    if rank is not None:
+        config, plan = _cut_to_stages(module, config, rank, owner)
+    # 3. The engine: tensor parallel -> compile -> shard -> allocate (see the engine's setup_module).
+    if engine is None or engine.config != config:
+        engine = engine_class(config.engine)(config, precision, processes.run_context())
+    model = engine.setup_module(module)
+    # 4. The stage runner.
+    pipeline = None
+    if rank is not None:
+        assert plan is not None and loss_fn is not None, "pipeline stages need the loss of one microbatch"
+        pipeline = _stage_runner(model, config, rank, processes, loss_fn, plan)
+    # 5. init_weights.
+    if config.init_weights is not None and getattr(module, _WEIGHTS, None) != config.init_weights:
+        engine.load_full_weights(module, config.init_weights)
+        setattr(module, _WEIGHTS, config.init_weights)
+    # 6. Every rank set up; the engine's groups under the timeout flag.
+    processes.barrier()
+    processes.apply_timeout()
+    return Prepared(model, engine, config, pipeline)
+
+
+def prepare_precision(precision: ShardPrecision, processes: ProcessGroups) -> None:
+    """The precision plugin on this rank's device (its loss scaler agrees over every rank), clipping by one
+    norm over every mesh where parameters live on several ((dp, tp) and dp, or pipeline stages)."""
+    precision.setup_device(processes.root_device, None)
+    if processes.layout.multi_dimensional:
+        precision.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=processes.layout.pp)
+
+
+def pipeline_rank(mesh: Any) -> int | None:
+    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
+    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
+
+
+def _cut_to_stages(
+    module: nn.Module, config: ShardConfig, rank: int, owner: str
+) -> tuple[ShardConfig, StagePlan]:
+    """Keep only pipeline rank ``rank``'s stages of ``module`` (once per module); the config with the block
+    classes to shard, detected on the whole model where not given, and the plan that cut it."""
+    plan = getattr(module, _STAGE, None)
+    if config.shard_modules is None:
+        # Detected on the whole model: a stage may keep a single block, too few to detect a class from.
+        blocks = getattr(module, _BLOCKS) if plan is not None else detect_block_classes(module)
+        config = config.replace(shard_modules=tuple(blocks) or None)
+    if plan is not None:
+        return config, plan
+    setattr(module, _BLOCKS, config.shard_modules or ())
+    total = config.pipeline_parallel_size * config.stages_per_rank
+    plan = plan_stages(module, total, config.pipeline_split_points)
+    own = stages_of_rank(rank, config.pipeline_parallel_size, config.stages_per_rank)
+    keep_stage(module, plan, own)
+    for stage in own:
+        log.info("%s: pipeline stage %d of %d holds %s", owner, stage, total, list(plan.blocks_of(stage)))
+    setattr(module, _STAGE, plan)
+    return config, plan
+
+
+def _stage_runner(
+    model: nn.Module,
+    config: ShardConfig,
+    rank: int,
+    processes: ProcessGroups,
+    loss_fn: LossFn,
+    plan: StagePlan,
+) -> StageRunner:
+    """The runner of pipeline rank ``rank``'s stages of the set-up ``model`` under the flags' schedule."""
+    size, per_rank = config.pipeline_parallel_size, config.stages_per_rank
+    return StageRunner(
+        model,
+        stages_of_rank(rank, size, per_rank),
+        size * per_rank,
+        processes.root_device,
+        processes.device_mesh["pp"].get_group(),
+        config.pipeline_schedule,
+        config.microbatches,
+        loss_fn,
+        plan,
+    )

@@ -1,0 +1,270 @@
+"""Every flag of the front doors, declared once: its type, default, meaning, and where it is read.
+
+:class:`ShardFlags` is the one declaration. Derived from it:
+
+- the signature of :class:`~lightning_shard.ShardStrategy` and :class:`~lightning_shard.ShardFabricStrategy`
+  (``__init__.__signature__``, so LightningCLI / jsonargparse read the same typed parameters, defaults and
+  help as from a written-out signature; :func:`door_signature`, :func:`args_doc`);
+- :class:`~lightning_shard.ShardConfig`, the validated form, which is a ``ShardFlags`` with each value
+  normalised (``config.py``: every cross-flag rule);
+- the flag table of docs/architecture.md (:func:`flag_table`; ``python -m lightning_shard.flags``
+  prints it, and a test keeps the docs equal to it).
+
+A new flag is one field here, with its ``where`` (the modules that read it), and its checks in config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_shard._modules import ModuleClassSpec
+from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.offload import OffloadDevice
+from lightning_shard.pipeline import PipelineScheduleName
+
+EngineName = Literal["fsdp", "deepspeed"]
+EngineFlag = Literal["auto", "fsdp", "deepspeed"]
+CheckpointMode = Literal["sharded", "full"]
+
+
+def _flag(default: Any, doc: str, where: str, trainer_only: bool = False) -> Any:
+    return field(default=default, metadata={"doc": doc, "where": where, "trainer_only": trainer_only})
+
+
+@dataclass(frozen=True)
+class ShardFlags:
+    """The flags as a user passes them to either front door (before validation)."""
+
+    stage: int | Literal["auto"] = _flag(
+        3,
+        "ZeRO stage, 0 (replicated, DDP) to 3 (parameters, gradients and optimizer state sharded); ``'auto'``"
+        " plans it from the model, the batch and device memory (Trainer only).",
+        "engines/, planner/auto_stage.py",
+    )
+    engine: EngineFlag = _flag(
+        "auto",
+        "``'auto'`` (FSDP2 unless a flag needs DeepSpeed) or an engine's name, ``'fsdp'`` or ``'deepspeed'``.",
+        "config.py, engines/__init__.py",
+    )
+    shard_modules: Iterable[ModuleClassSpec] | ModuleClassSpec | None = _flag(
+        None,
+        "module classes (or import-path strings) that become sharding units at stages 2-3; ``None`` detects the"
+        " model's repeated block class.",
+        "engines/_fsdp2.py, engines/deepspeed.py",
+    )
+    checkpoint: CheckpointMode = _flag(
+        "sharded",
+        "``'sharded'`` (each rank writes its shard, a directory) or ``'full'`` (one file).",
+        "engines/ (save), checkpoint/",
+    )
+    process_group_backend: str | None = _flag(
+        None, "``'gloo'``, ``'nccl'``, ...; default gloo on CPU and nccl on CUDA.", "core/processes.py"
+    )
+    timeout: timedelta | None = _flag(
+        default_pg_timeout,
+        "the longest any collective may wait, on every process group the strategy and its engine use (the"
+        " device mesh's, the async checkpoint group, DeepSpeed's); past it the job ends with a"
+        " ``CollectiveTimeoutError`` naming this flag.",
+        "core/processes.py",
+    )
+    offload_optimizer: OffloadDevice | None = _flag(
+        None,
+        "``'cpu'`` or ``'nvme'``: keep optimizer state (and its step) off the accelerator.",
+        "offload.py, engines/",
+    )
+    offload_params: OffloadDevice | None = _flag(
+        None,
+        "``'cpu'`` or ``'nvme'`` (stage 3): keep parameter shards off the accelerator.",
+        "offload.py, engines/",
+    )
+    nvme_path: str | None = _flag(
+        None,
+        "directory on an NVMe drive for ``'nvme'`` offload; swap files live in a subdirectory of it and are"
+        " removed at teardown.",
+        "engines/deepspeed.py",
+    )
+    pin_memory: bool | None = _flag(
+        None, "pin host buffers for offload (default: on CUDA).", "engines/fsdp.py, engines/deepspeed.py"
+    )
+    activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointing | None = _flag(
+        None,
+        "``'full'``, ``'selective'`` or an ``ActivationCheckpointing`` config; the repeated blocks are"
+        " checkpointed before they are sharded (the same implementation as the callback).",
+        "core/prepare.py, activation_checkpointing/",
+    )
+    device_memory: int | str | None = _flag(
+        None,
+        "with ``stage='auto'``, the per-device memory to plan for (bytes or e.g. ``'16GB'``); default: free"
+        " accelerator memory, or this rank's share of available RAM on CPU.",
+        "planner/auto_stage.py",
+        trainer_only=True,
+    )
+    async_checkpoint: bool = _flag(
+        False,
+        "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
+        "engines/fsdp.py, checkpoint/async_save.py",
+    )
+    skip_nonfinite: bool = _flag(
+        False,
+        "skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf on any rank.",
+        "trainer/nonfinite.py",
+        trainer_only=True,
+    )
+    max_skipped: int = _flag(
+        10,
+        "with ``skip_nonfinite``, consecutive skipped steps allowed before training stops.",
+        "trainer/nonfinite.py",
+        trainer_only=True,
+    )
+    init_weights: str | Path | None = _flag(
+        None,
+        "start from full weights: a ``torch.save`` state-dict file (``lightning-shard consolidate`` writes one),"
+        " a ``.safetensors`` file, or a Hugging Face model directory. Loaded once per module, after it is"
+        " sharded: each rank reads only the slices of its own shards.",
+        "core/prepare.py, checkpoint/init_weights.py",
+    )
+    replicate_size: int = _flag(
+        1,
+        "HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards the model over"
+        " its own ranks (one node's, say) and gradients are all-reduced across groups.",
+        "parallel/mesh.py, engines/fsdp.py",
+    )
+    tensor_parallel_size: int = _flag(
+        1,
+        "split the layers named by the plan over this many ranks (the innermost mesh dimension: keep it"
+        " within a node), before FSDP2 shards over the rest; the world is ``replicate_size x shard x"
+        " tensor_parallel_size`` (docs/parallelism.md).",
+        "parallel/, engines/fsdp.py",
+    )
+    tensor_parallel_plan: dict[str, Any] | None = _flag(
+        None,
+        "module-name pattern (``'blocks.*.attn.qkv'``) -> ``'colwise'``, ``'rowwise'``, ``'sequence'`` or a"
+        " torch ``ParallelStyle``; ``None`` uses the plan the model carries (a ``tensor_parallel_plan``"
+        " attribute, or a Hugging Face ``config.base_model_tp_plan``).",
+        "parallel/plan.py",
+    )
+    pipeline_parallel_size: int = _flag(
+        1,
+        "cut the model into this many pipeline stages (the outermost mesh dimension: ``pp x replicate x"
+        " shard x tp``); the module's contract is in docs/pipeline.md.",
+        "core/prepare.py, pipeline/, parallel/mesh.py",
+    )
+    pipeline_schedule: PipelineScheduleName = _flag(
+        "1f1b",
+        "``'1f1b'``, ``'gpipe'``, ``'interleaved_1f1b'`` or ``'zero_bubble'`` (torch's schedules; the last two"
+        " run several stages on each rank).",
+        "pipeline/schedules.py",
+    )
+    microbatches: int | None = _flag(
+        None,
+        "pieces each batch is cut into along its first dimension (default 2 x stages).",
+        "pipeline/runner.py",
+    )
+    stages_per_rank: int | None = _flag(
+        None,
+        "stages on each rank (interleaved schedules only; default 1, and 2 for them).",
+        "core/prepare.py, pipeline/",
+    )
+    pipeline_split_points: list[str] | None = _flag(
+        None,
+        "the blocks that start stages 2, 3, ... (``['model.blocks.2']``); default: balanced by parameter count.",
+        "pipeline/split.py",
+    )
+    compile: bool | dict[str, Any] = _flag(
+        False,
+        "``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor parallelism"
+        " and activation checkpointing, before FSDP2 shards it.",
+        "compile.py, engines/fsdp.py",
+    )
+    gradient_compression: str | dict[str, Any] | None = _flag(
+        None,
+        "stages 0-1: ``'bf16'``, ``'fp16'``, ``'powersgd'`` or ``{'method': 'powersgd', 'rank': r,"
+        " 'start_iter': n, ...}``, through DDP's communication hooks.",
+        "compression.py, engines/fsdp.py",
+    )
+
+
+#: The flags' names, in declaration order.
+FLAG_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ShardFlags))
+#: Flags only the Trainer door serves (they are Trainer hooks).
+TRAINER_ONLY: frozenset[str] = frozenset(
+    f.name for f in dataclasses.fields(ShardFlags) if f.metadata["trainer_only"]
+)
+
+_DDP_DOC = (
+    "Lightning's ``DDPStrategy`` options, stages 0-1 of the FSDP engine only (``find_unused_parameters``,"
+    " ``static_graph``, ``gradient_as_bucket_view``, any other ``DistributedDataParallel`` argument,"
+    " ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``)."
+)
+
+
+def door_signature() -> inspect.Signature:
+    """``__init__(self, <every flag>, **kwargs)``: what LightningCLI and ``help()`` read for either door."""
+    hints = _hints()
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(ShardFlags):
+        params.append(
+            inspect.Parameter(
+                f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=hints[f.name]
+            )
+        )
+    params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any))
+    return inspect.Signature(params, return_annotation=None)
+
+
+def bind(owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ShardFlags, dict[str, Any]]:
+    """The flags given to a door's ``__init__`` (positional or by name, defaults filled in), and the keyword
+    arguments left over (Lightning's own and ``DDPStrategy``'s options)."""
+    if len(args) > len(FLAG_NAMES):
+        raise TypeError(
+            f"{owner}() takes at most {len(FLAG_NAMES)} positional arguments ({len(args)} given)."
+        )
+    given = dict(zip(FLAG_NAMES, args, strict=False))
+    doubled = sorted(set(given) & set(kwargs))
+    if doubled:
+        raise TypeError(f"{owner}() got multiple values for argument {doubled[0]!r}.")
+    rest = {key: value for key, value in kwargs.items() if key not in FLAG_NAMES}
+    given.update({key: value for key, value in kwargs.items() if key in FLAG_NAMES})
+    return ShardFlags(**given), rest
+
+
+def takes_flags(init: Any) -> Any:
+    """Give a door's ``__init__(self, *args, **kwargs)`` the flags' signature, annotations and help."""
+    init.__signature__ = door_signature()
+    init.__annotations__ = {**_hints(), "kwargs": Any, "return": None}
+    return init
+
+
+def args_doc(indent: str = "    ") -> str:
+    """The ``Args:`` section of a door's docstring (jsonargparse shows it as each flag's help)."""
+    lines = ["Args:"]
+    lines += [f"    {f.name}: {f.metadata['doc']}" for f in dataclasses.fields(ShardFlags)]
+    lines.append(f"    **kwargs: {_DDP_DOC}")
+    return "\n".join(indent + line for line in lines)
+
+
+def flag_table() -> str:
+    """The Markdown table of docs/architecture.md: each flag, its default, and the modules that read it."""
+    rows = ["| flag | default | read in | doors |", "|---|---|---|---|"]
+    for f in dataclasses.fields(ShardFlags):
+        doors = "Trainer" if f.metadata["trainer_only"] else "Trainer, Fabric"
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['where']} | {doors} |")
+    rows.append("| DDP options (`**kwargs`) | | _ddp.py (checks), engines/_ddp.py | Trainer, Fabric |")
+    return "\n".join(rows)
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(ShardFlags)
+
+
+if __name__ == "__main__":
+    print(flag_table())
