@@ -5,10 +5,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_shard.checkpoint import CheckpointLoadError
 from lightning_shard.checkpoint.init_weights import InitWeightsError
 from lightning_shard.config import ShardConfig
 from lightning_shard.core.processes import CollectiveTimeoutError
+from lightning_shard.core.registry import register_names
 from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.precision import ShardPrecision
 from lightning_shard.trainer.strategy import ShardStrategy
@@ -46,11 +50,6 @@ def __getattr__(name: str) -> Any:
 
 
 def _register_strategies() -> None:
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_shard.core.registry import register_names
-
     register_names(StrategyRegistry, ShardStrategy)
     register_names(STRATEGY_REGISTRY, ShardFabricStrategy)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from torch.nn.parallel import DistributedDataParallel
+
 #: ParallelStrategy's own keyword arguments (what Lightning's connector passes); everything else a
 #: ShardStrategy receives through ``**kwargs`` is for DDP.
 STRATEGY_KWARGS = frozenset(
@@ -25,8 +27,6 @@ _OWNED = ("module", "process_group", "device_mesh", "device_ids", "output_device
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(ParallelStrategy's kwargs, DDP's kwargs)``, DDP's checked against its constructor."""
-    from torch.nn.parallel import DistributedDataParallel
-
     strategy = {k: v for k, v in kwargs.items() if k in STRATEGY_KWARGS}
     ddp = {k: v for k, v in kwargs.items() if k not in STRATEGY_KWARGS}
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", *_OWNED}

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_shard import _compat
 
@@ -77,8 +78,6 @@ def init_process_group(
     address, port = cluster_environment.main_address, int(cluster_environment.main_port)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
     if (address, port) not in _STORES:
-        from torch.distributed.constants import default_pg_timeout
-
         store, _, _ = next(
             dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout or default_pg_timeout)
         )

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shard._ddp import COMM_HOOK_KWARGS
@@ -64,9 +66,6 @@ class _SharedMemoryHook:
         self.user = (hook, state)
 
     def register_builtin(self, comm_hook_type: Any) -> None:
-        import torch.distributed as dist
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         hooks = {
             dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,15 +32,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 import lightning_shard.engines._zero as _zero
-from lightning_shard import _compat, _ddp
+from lightning_shard import _compat, _ddp, compression
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
+from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
 from lightning_shard.checkpoint.storage import Location, Remote
+from lightning_shard.compile import compile_blocks, recompiles
 from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
 from lightning_shard.engines._ddp import wrap as wrap_ddp
@@ -116,8 +120,6 @@ class FSDPEngine(Engine):
 
     def _compile(self, module: nn.Module) -> None:
         """Each repeated block compiled after tensor parallelism and checkpointing, before sharding."""
-        from lightning_shard.compile import compile_blocks, recompiles
-
         classes = self.config.shard_modules or detect_block_classes(module)
         blocks = find_blocks(module, classes) if classes else []
         if not blocks:
@@ -137,8 +139,8 @@ class FSDPEngine(Engine):
     def _replicate(self, module: nn.Module) -> nn.Module:
         """Stage 0 with tensor parallelism: every data-parallel rank holds the whole (split) model and
         gradients are all-reduced: DDP, built on FSDP2's parameter handling so that it takes DTensors."""
+        # optional: a private torch module a release may lack (only this stage-0 + TP path needs it)
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(module, FSDPModule):  # an earlier Trainer call's: point it at this call's groups
             _compat.refresh_fsdp_groups(module)
@@ -212,8 +214,6 @@ class FSDPEngine(Engine):
 
             loss.register_hook(queue)
         elif manual and self.stage < 2:
-            from lightning.pytorch.overrides.distributed import prepare_for_backward
-
             prepare_for_backward(model, loss)  # type: ignore[arg-type]
 
     @property
@@ -238,7 +238,6 @@ class FSDPEngine(Engine):
         through the just-stepped discriminator) would otherwise run on the old weights."""
         if not self._gathers_across_step:
             return  # DDP's parameters are the optimizer's own tensors
-        from torch.distributed.fsdp import FSDPModule
 
         for sub in model.modules():
             if isinstance(sub, FSDPModule) and _compat.fsdp_is_unsharded(sub):
@@ -276,8 +275,6 @@ class FSDPEngine(Engine):
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[ckpt.optimizer_key(i)] = opt_state
         if self.compression_state is not None:
-            from lightning_shard import compression
-
             hook, powersgd = self.compression_state
             state[compression.STATE_KEY] = compression.state_dict(
                 hook, powersgd, self.run.global_rank, self.run.world_size
@@ -293,8 +290,6 @@ class FSDPEngine(Engine):
         if self.async_checkpointer is not None:
             self.async_checkpointer.wait()
         if not isinstance(path, Remote) and ckpt.is_deepspeed_checkpoint(path):
-            from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
-
             return load_into_fsdp(self, model, optimizers, path, weights_only)
         if path.is_dir():
             return ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
@@ -302,15 +297,11 @@ class FSDPEngine(Engine):
 
     def communication_load_target(self, metadata: Any) -> dict[str, torch.Tensor] | None:
         """Where a sharded checkpoint's PowerSGD state is read to (None: nothing to read)."""
-        from lightning_shard import compression
-
         if self.compression_state is None:
             return None
         return compression.load_target(metadata, self.run.global_rank)
 
     def load_communication_state(self, saved: dict[str, torch.Tensor]) -> None:
-        from lightning_shard import compression
-
         hook, powersgd = self.compression_state
         compression.load_state_dict(hook, powersgd, saved, self.run.global_rank, self.run.world_size)
 

@@ -24,6 +24,7 @@ from lightning_shard import _ddp
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.core import guarded, transform
+from lightning_shard.core.registry import register_names
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._pipeline import FabricPipeline
@@ -352,8 +353,6 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        from lightning_shard.core.registry import register_names
-
         register_names(strategy_registry, cls)
 
 

@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, _tensor_has_shape
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
@@ -90,8 +91,6 @@ def parameter_count(p: torch.Tensor) -> int:
 
 def _user_class(module: nn.Module) -> type:
     """The user's class of a module FSDP2 wrapped (``fully_shard`` swaps in ``FSDP<Class>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 

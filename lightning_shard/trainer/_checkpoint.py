@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch.optim import Optimizer
@@ -29,8 +30,6 @@ def _last_on_object_stores(trainer: Any) -> str | None:
     """``ckpt_path="last"`` under ShardStrategy with a ModelCheckpoint on an object store."""
     if not isinstance(trainer.strategy, CheckpointHooks):
         return None
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             directory = resolve(callback.dirpath, "ModelCheckpoint(dirpath)")

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.trainer import call
 from torch import Tensor
 from typing_extensions import override
 
@@ -148,8 +149,6 @@ class PipelineSteps(EngineSteps):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every microbatch's backward inside training_step; the hooks still run around it.
         trainer = self._lm.trainer
-        from lightning.pytorch.trainer import call
-
         call._call_callback_hooks(trainer, "on_before_backward", closure_loss)
         call._call_lightning_module_hook(trainer, "on_before_backward", closure_loss)
         self._add_pending_gradients()

@@ -14,9 +14,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_shard.compile import recompiles
 from lightning_shard.core.processes import guarded
 from lightning_shard.engines import Engine
 from lightning_shard.trainer._preemption import Preemption
@@ -145,8 +147,6 @@ class EngineSteps(ProcessGroupStrategy):
     @property
     def recompiles(self) -> int:
         """``compile=...``: blocks dynamo compiled again after their first graph, since set-up, on this rank."""
-        from lightning_shard.compile import recompiles
-
         baseline = getattr(self._engine, "compile_baseline", None)
         return 0 if baseline is None else recompiles() - baseline
 
@@ -154,8 +154,6 @@ class EngineSteps(ProcessGroupStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.recompiles:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
             rank_zero_warn(
                 f"ShardStrategy(compile=...): torch.compile recompiled the blocks {self.recompiles} time(s) after"
                 " their first graph. Something they depend on changes between steps (a shape: pad batches to"

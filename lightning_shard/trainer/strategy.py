@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.plugins.precision import Precision
@@ -25,6 +25,7 @@ from lightning_shard.activation_checkpointing import ActivationCheckpointing
 from lightning_shard.config import CheckpointMode, ShardConfig
 from lightning_shard.core import CollectiveTimeoutError, transform
 from lightning_shard.engines import Engine, TrainSettings, engine_class
+from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.flags import args_doc, bind, takes_flags
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.planner import auto_stage
@@ -34,9 +35,6 @@ from lightning_shard.trainer._checkpoint import CheckpointHooks
 from lightning_shard.trainer._pipeline import PipelineSteps
 from lightning_shard.trainer._preemption import Preemption
 from lightning_shard.trainer.nonfinite import NonFiniteGuard
-
-if TYPE_CHECKING:
-    from lightning_shard.fabric import ShardFabricStrategy
 
 log = logging.getLogger(__name__)
 _compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
@@ -85,8 +83,6 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
 
     def fabric(self) -> ShardFabricStrategy:
         """The same flags as a Lightning Fabric strategy: ``L.Fabric(strategy=ShardStrategy(...).fabric())``."""
-        from lightning_shard.fabric import ShardFabricStrategy
-
         return ShardFabricStrategy.from_config(self.config)
 
     def __repr__(self) -> str:
