@@ -8,6 +8,7 @@ engine reads. It reads only what both Lightning ``ParallelStrategy`` bases provi
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -149,8 +150,17 @@ class ProcessGroups:
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
+    def _export_ranks(self) -> None:
+        """Put this rank's place in the environment variables DeepSpeed and other libraries read, as
+        Lightning's ``DeepSpeedStrategy`` does: under SLURM or Ray nothing else sets ``LOCAL_RANK`` & co."""
+        env = self.cluster_environment
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.global_rank), str(self.world_size)
+        os.environ["LOCAL_RANK"] = str(self.local_rank)
+
     def _connect(self) -> None:
         """Join the process group and build the device mesh, once: later calls reuse both."""
+        self._export_ranks()
         if not _compat.distributed_is_initialized():
             assert self._process_group_backend is not None
             device_id = self.root_device if self.root_device.type != "cpu" else None
