@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_shard.demos.ranks import free_port
 from tests.helpers import ENGINES, job_env
 
 JOB = Path(__file__).parent / "jobs" / "exit_job.py"
@@ -46,6 +47,12 @@ def _torchrun(torchrun_args: list[str], root: Path, *args: str) -> subprocess.Co
     return subprocess.run(
         [*cmd, str(JOB), "--root", str(root), *args], capture_output=True, text=True, timeout=300, env=env
     )
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (torchrun starts its workers in sessions of their own)."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [pid] + [grandchild for child in children for grandchild in _process_tree(int(child))]
 
 
 def _engine_args(engine: str) -> list[str]:
@@ -119,7 +126,7 @@ def test_sigterm_mid_training_commits_an_exception_checkpoint_that_resumes_at_it
     )
     assert rc == 0, out[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank} starts training at step {step}" in out
+        assert f"rank {rank} of 2 starts training at step {step}" in out
         assert f"rank {rank} finished fit at step {step + 2}" in out
 
 
@@ -219,8 +226,55 @@ def test_a_torchrun_restart_reconnects_and_resumes_from_the_last_checkpoint(tmp_
     assert run.returncode == 0, out[-4000:]
     assert "rank 1 dies at step 5" in out, out[-4000:]
     assert "Restoring states from the checkpoint path at" in out, out[-4000:]
-    resumed = re.findall(r"rank (\d) starts training at step ([1-9]\d*)", out)
+    resumed = re.findall(r"rank (\d) of 2 starts training at step ([1-9]\d*)", out)
     assert sorted(rank for rank, _ in resumed) == ["0", "1"], out[-4000:]
     for rank in (0, 1):
         assert f"rank {rank} finished fit at step 6" in out, out[-4000:]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_torchrun_job_that_loses_a_node_resumes_on_the_one_left_resharded(tmp_path):
+    # Two torchrun agents on this host form a 2-node job (--nnodes=1:2, one worker each); the second node is
+    # killed whole after a checkpoint. The first agent restarts its worker in a 1-node world, which resumes
+    # from `last` (written by 2 ranks, read by 1) and trains to the end.
+    port = free_port()
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{port}",
+        "--rdzv-id=lose-a-node",
+        "--max-restarts=1",
+        "--rdzv-conf=last_call_timeout=3,join_timeout=120",
+        "--monitor-interval=0.5",
+    ]
+    job = [str(JOB), "--root", str(tmp_path), *_engine_args("fsdp"), "--elastic", "--resume", "last"]
+    job += ["--max-steps", "10", "--step-sleep", "0.5"]
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    kwargs: dict = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "env": env}
+    first = subprocess.Popen([*torchrun, *job], **kwargs)
+    time.sleep(2)  # the first agent hosts the rendezvous store
+    second = subprocess.Popen([*torchrun, *job], **kwargs)
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists():
+            assert time.time() < deadline and first.poll() is None, "no checkpoint at step 4"
+            time.sleep(0.2)
+        for pid in _process_tree(second.pid):  # the node: its agent and its worker (in its own session)
+            os.kill(pid, signal.SIGKILL)
+        out, _ = first.communicate(timeout=300)
+    finally:
+        for proc in (first, second):
+            for pid in _process_tree(proc.pid) if proc.poll() is None else []:
+                os.kill(pid, signal.SIGKILL)
+    assert first.returncode == 0, out[-4000:]
+    assert "rank 0 of 2 starts training at step 0" in out, out[-4000:]
+    resumed = re.search(r"rank 0 of 1 starts training at step (\d+)", out)
+    assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
+    assert "rank 0 finished fit at step 10" in out, out[-4000:]
     assert not list(tmp_path.rglob("*.tmp"))

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import _compat
-from lightning_shard.checkpoint.storage import Remote, follow_alias, newest_last, resolve
+from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, newest_last, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.core.processes import guarded
 from lightning_shard.trainer._steps import EngineSteps
@@ -94,9 +94,15 @@ class CheckpointHooks(EngineSteps):
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        path = resolve(self.broadcast(str(filepath)), "save_checkpoint(filepath)")
+        path = self._checkpoint_location(filepath, "save_checkpoint(filepath)")
         assert self.model is not None
         self.engine.save_checkpoint(self.model, self.optimizers, checkpoint, path, exception=exception)
+
+    def _checkpoint_location(self, filepath: Any, argument: str) -> Location:
+        """The one checkpoint every rank writes into or reads: rank 0's path (a rank's own name for it, such
+        as a per-rank temporary directory, would split the checkpoint). A strategy whose ranks each keep
+        their own copy of the checkpoint overrides this (``lightning_shard.ray``)."""
+        return resolve(self.broadcast(str(filepath)), argument)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -105,7 +111,7 @@ class CheckpointHooks(EngineSteps):
     @override
     @guarded
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = follow_alias(resolve(self.broadcast(str(checkpoint_path)), "ckpt_path"))
+        path = follow_alias(self._checkpoint_location(checkpoint_path, "ckpt_path"))
         assert self.model is not None
         if weights_only is None:
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.

@@ -47,7 +47,10 @@ class JobModule(GPTModule):
         return super().training_step(batch, batch_idx)
 
     def on_train_start(self) -> None:
-        print(f"rank {self.global_rank} starts training at step {self.global_step}", flush=True)
+        print(
+            f"rank {self.global_rank} of {self.trainer.world_size} starts training at step {self.global_step}",
+            flush=True,
+        )
 
     def on_exception(self, exception: BaseException) -> None:
         print(
@@ -101,6 +104,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="after each Trainer call: barrier, broadcast, reduce, all_gather",
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="devices and nodes from torchrun's LOCAL_WORLD_SIZE / WORLD_SIZE (a restart may change them)",
+    )
     parser.add_argument("--root", required=True)
     args = parser.parse_args(argv)
 
@@ -118,9 +126,14 @@ def main(argv: list[str] | None = None) -> None:
             ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every, save_top_k=-1, save_last=True),
             OnExceptionCheckpoint(dirpath=ckpt_dir, filename="on_exception"),
         ]
+    devices, nodes = 2, 1
+    if args.elastic:
+        devices = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = int(os.environ["WORLD_SIZE"]) // devices
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
+        num_nodes=nodes,
         strategy=strategy,
         max_steps=args.max_steps,
         callbacks=callbacks,

@@ -1,0 +1,140 @@
+"""RayShardStrategy inside Ray Train ``TorchTrainer`` workers, on a real local Ray cluster.
+
+``tests/jobs/ray_job.py`` runs, in one Ray session, the job as Ray's Lightning guide writes it: 2 workers under
+RayDDPStrategy and RayShardStrategy (FSDP stages 1 and 3, DeepSpeed stage 3), a worker lost in epoch 2 and the
+run restarted by Ray from the sharded checkpoint it reported, and that checkpoint resumed on 1 worker.
+Ray runs in its own process: Ray and pytest's forked ranks do not mix.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from tests.helpers import job_env
+
+pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install 'lightning-shard[ray]')")
+
+pytestmark = pytest.mark.multirank
+
+JOB = Path(__file__).parent / "jobs" / "ray_job.py"
+SHARD = ["fsdp1", "fsdp3", "deepspeed3"]
+STEPS_PER_EPOCH = 4  # 32 samples, batch 4 per worker, 2 workers
+DCP_RANK0 = ["checkpoint.ckpt/.metadata", "checkpoint.ckpt/__0_0.distcp", "checkpoint.ckpt/meta.pt"]
+DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ray")
+    run = subprocess.run(
+        [sys.executable, str(JOB), "--root", str(root)],
+        cwd=root,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return root
+
+
+def _part(root: Path, part: str) -> dict[str, Any]:
+    summary = json.loads((root / f"{part}.json").read_text())
+    assert summary["error"] is None, summary["error"][-4000:]
+    return summary
+
+
+def _ranks(root: Path, part: str, name: str, world: int) -> list[dict[str, Any]]:
+    ranks = [json.loads((root / part / name / f"rank{r}.json").read_text()) for r in range(world)]
+    for rank in ranks:
+        assert rank["world"] == world
+        assert rank["losses"] == ranks[0]["losses"], (name, ranks)  # every rank logged the same mean
+    return ranks
+
+
+def test_every_engine_trains_as_ray_ddp_in_ray_workers(job):
+    _part(job, "parity")
+    ddp = _ranks(job, "parity", "ddp", 2)[0]["losses"]
+    assert len(ddp) == 2 * STEPS_PER_EPOCH
+    for name in SHARD:
+        losses = _ranks(job, "parity", name, 2)[0]["losses"]
+        torch.testing.assert_close(losses, ddp, rtol=1e-5, atol=0, msg=name)
+
+
+def test_each_worker_reports_its_own_shards_and_ray_keeps_the_whole_checkpoint(job):
+    checkpoints = _part(job, "parity")["checkpoints"]
+    assert len(checkpoints) == 8  # 4 Trainers x 2 epochs
+    for name in ("fsdp1", "fsdp3"):
+        # Each worker's own directory (on its own host, all Ray can upload from it): its own shard only.
+        rank0, rank1 = _ranks(job, "parity", name, 2)
+        assert rank0["reported"] == [DCP_RANK0, DCP_RANK0], name
+        assert rank1["reported"] == [DCP_RANK1, DCP_RANK1], name
+    for saved in checkpoints:
+        files = sorted(
+            str(f.relative_to(saved["path"])) for f in Path(saved["path"]).rglob("*") if f.is_file()
+        )
+        assert not any(".tmp" in f for f in files), files  # every rank committed its part
+        if saved["run_id"] in (1, 2):  # FSDP stages 1 and 3: DCP shards of both ranks and rank 0's metadata
+            assert files == sorted(DCP_RANK0 + DCP_RANK1), files
+        elif saved["run_id"] == 3:  # DeepSpeed ZeRO-3: each rank's partition files
+            for rank in (0, 1):
+                assert any(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in f for f in files), files
+
+
+def test_a_lost_worker_restarts_from_the_reported_sharded_checkpoint_and_ends_as_the_uninterrupted_run(job):
+    # Rank 1 exited inside epoch 2 of the first attempt; Ray restarted both workers (max_failures=1).
+    saved = _part(job, "failure")["checkpoints"]
+    assert [c["epoch"] for c in saved] == [0, 1]
+    resumed = _ranks(job, "failure", "fsdp3", 2)[0]
+    assert resumed["start"] == STEPS_PER_EPOCH  # from the checkpoint reported at the end of epoch 1
+    uninterrupted = _ranks(job, "parity", "fsdp3", 2)[0]["losses"]
+    torch.testing.assert_close(resumed["losses"], uninterrupted[STEPS_PER_EPOCH:], rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one(job):
+    _part(job, "reshard")
+    (one,) = _ranks(job, "reshard", "fsdp3", 1)
+    assert one["start"] == 2 * STEPS_PER_EPOCH  # the 2-worker checkpoint of epoch 2, resharded
+    assert len(one["losses"]) == 2 * STEPS_PER_EPOCH  # the third epoch, all of it on one worker
+    assert all(torch.isfinite(torch.tensor(one["losses"])))
+    assert one["reported"] == [DCP_RANK0]
+
+
+# --- outside a Ray worker: a clear error at Trainer construction (no Ray cluster needed) ----------
+
+
+def test_outside_a_ray_worker_the_error_names_ray_and_the_fix():
+    from ray.train.lightning import RayLightningEnvironment
+
+    from lightning_shard.ray import RayShardStrategy
+
+    with pytest.raises(RuntimeError, match="not a Ray Train worker.*TorchTrainer"):
+        L.Trainer(accelerator="cpu", strategy=RayShardStrategy(stage=3), plugins=[RayLightningEnvironment()])
+
+
+def test_without_ray_lightning_environment_the_error_names_the_plugin():
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from lightning_shard.ray import RayShardStrategy
+
+    with pytest.raises(RuntimeError, match=r"plugins=\[RayLightningEnvironment\(\)\]"):
+        L.Trainer(accelerator="cpu", strategy=RayShardStrategy(stage=1), plugins=[LightningEnvironment()])
+
+
+def test_ray_prepare_trainer_accepts_the_strategy_without_ddp_behaviour():
+    from lightning.pytorch.strategies import DDPStrategy
+    from ray.train.lightning import RayDDPStrategy
+
+    from lightning_shard import ShardStrategy
+    from lightning_shard.ray import RayShardStrategy
+
+    assert issubclass(RayShardStrategy, RayDDPStrategy)  # what prepare_trainer checks
+    assert DDPStrategy not in RayShardStrategy.__mro__ and issubclass(RayShardStrategy, ShardStrategy)
