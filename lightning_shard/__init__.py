@@ -26,6 +26,7 @@ __all__ = [
     "EMA",
     "InitWeightsError",
     "MFUMonitor",
+    "RunSummary",
     "ShardConfig",
     "ShardFabricStrategy",
     "ShardPrecision",
@@ -38,6 +39,7 @@ _LAZY = {
     "ActivationCheckpointing": "lightning_shard.activation_checkpointing",
     "EMA": "lightning_shard.averaging",
     "MFUMonitor": "lightning_shard.callbacks",
+    "RunSummary": "lightning_shard.callbacks",
     "StragglerDetector": "lightning_shard.callbacks",
     "ThroughputMonitorFlops": "lightning_shard.callbacks",
 }

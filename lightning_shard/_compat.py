@@ -160,6 +160,21 @@ def fsdp_keep_gathered_after_nested_forward(root: Any) -> None:
             group._training_state = TrainingState.FORWARD
 
 
+def fsdp_forward_hooks(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """FSDP2's own pre- and post-forward of ``module``: ``pre(module, args, kwargs) -> (args, kwargs)``,
+    ``post(module, args, output) -> output``.
+
+    What torch's ``register_fsdp_forward_method`` runs around a method, here the root's run around a call
+    to one of its submodules: the root's parameters gathered, inputs cast and moved, backward hooks set.
+    """
+    try:
+        state = module._get_fsdp_state()
+        return state._pre_forward, state._post_forward
+    except AttributeError as error:  # pragma: no cover
+        fail = _unavailable("FSDPState._pre_forward / _post_forward", error)
+        return fail, fail
+
+
 def dynamo_skips_for_dispatch_mode() -> bool:
     """Whether dynamo would refuse to compile a frame now, for a torch dispatch mode on the stack.
 

@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.planner import available_device_memory, plan
 from lightning_shard.planner.mesh import check_sizes
 from lightning_shard.planner.model import build_on_meta
+from lightning_shard.plot import plot_run
 from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count, parse_size
 
 _PLAN_EPILOG = """examples:
@@ -154,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_export(sub)
     _add_plan(sub)
+    plot = sub.add_parser("plot", help="draw a run's loss and MFU over steps from its CSV logs, as a PNG")
+    plot.add_argument("run_dir", help="the run's directory (its logger's save_dir, e.g. outputs/zero3)")
+    plot.add_argument("--out", help="the PNG to write (default: RUN_DIR/run.png)")
     sub.add_parser(
         "build-ops",
         help="build DeepSpeed's compiled ops (CPU Adam, async I/O for NVMe, ...) once, before any job loads them",
@@ -370,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         return _run_export(args)
+    elif args.command == "plot":
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        try:
+            print(f"wrote {plot_run(args.run_dir, args.out or Path(args.run_dir) / 'run.png')}")
+        except (FileNotFoundError, ValueError, ImportError) as err:
+            print(err, file=sys.stderr)
+            return 2
     elif args.command == "build-ops":
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")

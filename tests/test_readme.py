@@ -65,7 +65,7 @@ def test_extras_named_in_the_readme_exist():
     assert "deepspeed" not in extras["dev"]  # it needs torch installed before it builds
 
 
-def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> None:
+def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> str:
     """Run a README ``python examples/train_gpt.py ...`` command from ``tmp_path``, shortened, as a user would:
     no PYTHONPATH, so the demo model comes from the installed package."""
     for name in ("examples", "configs"):
@@ -74,6 +74,7 @@ def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> None:
         f"--trainer.max_steps={max_steps}",
         "--trainer.enable_progress_bar=false",
         "--model.n_layers=2",
+        "--trainer.log_every_n_steps=1",
     ]
     run = subprocess.run(
         [sys.executable, *argv[1:], *overrides, "--data.n_sentences=400"],
@@ -84,16 +85,34 @@ def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> None:
         timeout=400,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
 
 
 @pytest.mark.multirank
 def test_main_job_and_consolidate(tmp_path):
     argv = _python_part(_quickstart_commands()[0])
     assert argv[:2] == ["python", "examples/train_gpt.py"]
-    _train_gpt(tmp_path, argv, max_steps=4)
+    out = _train_gpt(tmp_path, argv, max_steps=4)
     env = job_env(pythonpath=False)
     last = tmp_path / "outputs/zero3/checkpoints/last.ckpt"
     assert (last / ".metadata").is_file()
+    # The run ends with its summary on rank 0 (once), naming the checkpoint and how to load it.
+    assert out.count("Run summary: 4 steps on 2 rank(s)") == 1, out[-3000:]
+    assert "final train_loss:" in out and "peak memory per rank:" in out and "checkpoint: " in out, out[
+        -3000:
+    ]
+    # The README's picture of a run, from the run's CSV logs.
+    plot = [line for line in README.splitlines() if line.startswith("lightning-shard plot")]
+    assert plot == ["lightning-shard plot outputs/zero3"], plot
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_shard.cli", *shlex.split(plot[0])[1:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "outputs/zero3/run.png").stat().st_size > 10_000
 
     consolidate = [line for line in README.splitlines() if line.startswith("lightning-shard consolidate")]
     assert len(consolidate) == 1

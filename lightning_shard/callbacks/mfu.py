@@ -105,6 +105,7 @@ class MFUMonitor(Callback):
         window: number of recent batches the rates are averaged over.
         log_every_n_steps: log every this many training batches; None follows the Trainer's (50 when
             that is 0).
+        prog_bar: under the Trainer, also show the latest ``mfu`` and ``tok/s`` in the progress bar.
 
     Keys (all under ``perf/``) are listed in docs/monitoring.md. The last logged values are also kept
     in ``self.metrics`` on every rank.
@@ -125,6 +126,7 @@ class MFUMonitor(Callback):
         tokens_fn: Callable[[Any], int] | None = None,
         window: int = 20,
         log_every_n_steps: int | None = None,
+        prog_bar: bool = True,
     ) -> None:
         _check_flops_per_batch(flops_per_batch)
         _check_positive(
@@ -142,6 +144,7 @@ class MFUMonitor(Callback):
         self.tokens_fn = tokens_fn
         self.window = window
         self.log_every_n_steps = log_every_n_steps
+        self.prog_bar = prog_bar
         self._clock: Callable[[], float] = time.perf_counter  # tests inject a fake clock
         self.metrics: dict[str, float] = {}
         self.device_peak: float | None = None  # this rank's peak FLOP/s
@@ -228,6 +231,15 @@ class MFUMonitor(Callback):
         self._last_end = now
         if n % self._every == 0 and self._records:
             self._log(trainer)
+        if self.prog_bar and self.metrics and isinstance(pl_module, L.LightningModule):
+            # The window's latest figures beside the loss in the progress bar (not logged again: the
+            # loggers got them from _log).
+            shown = {"mfu": self.metrics.get("perf/mfu"), "tok/s": self.metrics.get("perf/tokens_per_sec")}
+            for name, value in shown.items():
+                if value is not None and math.isfinite(value):
+                    pl_module.log(
+                        name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False
+                    )
 
     def _stop_counting(self) -> None:
         if self._first.stop() and not self._first.counted["model_flops"]:  # type: ignore[index]
@@ -261,7 +273,7 @@ class MFUMonitor(Callback):
             sum(r.model_flops for r in recs),
             sum(r.hardware_flops for r in recs),
             self.device_peak or 0.0,
-            _peak_memory_bytes(self._device),
+            peak_memory_bytes(self._device),
         ]
         # Ranks that share a batch (tensor-parallel groups, pipeline stages) each count a part of its FLOPs
         # but the whole of its samples and tokens: those are counted once per batch.
@@ -312,7 +324,8 @@ def _device_peak(
     return None, f"device type {device.type!r} in {dtype}"
 
 
-def _peak_memory_bytes(device: torch.device) -> float:
+def peak_memory_bytes(device: torch.device) -> float:
+    """This process's peak memory on ``device``: allocated CUDA bytes, or the resident set on CPU."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
     try:
