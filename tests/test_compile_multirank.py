@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
@@ -31,6 +32,7 @@ CASES = {
 
 def _fit(flags: dict[str, Any]) -> dict[str, Any]:
     torch._dynamo.reset()
+    frames = counters["frames"]["ok"]  # frames dynamo compiled: the feature acted
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=2, strategy=ShardStrategy(**flags), callbacks=[recorder], **trainer_kwargs(max_steps=3)
@@ -38,7 +40,8 @@ def _fit(flags: dict[str, Any]) -> dict[str, Any]:
     pp, tp = flags.get("pipeline_parallel_size", 1), flags.get("tensor_parallel_size", 1)
     model = _model("sgd", 4) if pp > 1 or tp > 1 else tiny_gpt(n_layers=2)
     trainer.fit(model, _loader(2, pp, BATCH * pp * tp // 2, tp))
-    return {"losses": recorder.losses, "recompiles": trainer.strategy.recompiles}
+    compiled = counters["frames"]["ok"] - frames
+    return {"losses": recorder.losses, "recompiles": trainer.strategy.recompiles, "frames": compiled}
 
 
 def _cases() -> dict[str, Any]:
@@ -53,6 +56,8 @@ def test_compiled_blocks_follow_eager_on_two_ranks():
     for rank in run_ranks(_cases, world_size=2):
         for name, result in rank.items():
             assert result["compiled"]["recompiles"] == 0, name
+            assert result["compiled"]["frames"] > 0, name  # the blocks ran compiled, not eager
+            assert result["eager"]["frames"] == 0, name
             torch.testing.assert_close(
                 result["compiled"]["losses"],
                 result["eager"]["losses"],

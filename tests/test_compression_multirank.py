@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard import ShardStrategy
@@ -24,9 +25,40 @@ STEPS = 12
 EPOCH = 8  # steps in one epoch (64 samples, 4 per rank per step): the checkpoint sits at its end
 
 
+class _HalfBytes(L.Callback):
+    """Bytes of float16 tensors handed to ``all_reduce`` in each training step (what fp16 compression sends),
+    and the gradient elements DDP reduces."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self.grad_elements = 0
+        self._sent = 0
+        self._original = dist.all_reduce
+
+    def _counted(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dtype == torch.float16:
+            self._sent += tensor.numel() * tensor.element_size()
+        return self._original(tensor, *args, **kwargs)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.grad_elements = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        dist.all_reduce = self._counted  # type: ignore[assignment]
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._sent = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.per_step.append(self._sent)
+
+    def on_train_end(self, *args: Any) -> None:
+        dist.all_reduce = self._original
+
+
 def _fit(compression: Any, ckpt_dir: str | None = None, ckpt_path: str | None = None) -> list[float]:
     recorder = LossRecorder()
     callbacks: list[L.Callback] = [recorder]
+    if compression == "fp16":
+        callbacks.append(half := _HalfBytes())
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=EPOCH, save_top_k=-1))
     trainer = L.Trainer(
@@ -36,6 +68,9 @@ def _fit(compression: Any, ckpt_dir: str | None = None, ckpt_path: str | None = 
         **trainer_kwargs(max_steps=STEPS, enable_checkpointing=ckpt_dir is not None),
     )
     trainer.fit(_model("sgd", 2), _loader(2, 1, BATCH // 2), ckpt_path=ckpt_path)
+    if compression == "fp16":
+        # The feature acted: every step sent each gradient element once, as 2-byte halves.
+        assert half.per_step == [2 * half.grad_elements] * STEPS, (half.per_step, half.grad_elements)
     return recorder.losses
 
 
