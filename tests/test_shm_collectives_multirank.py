@@ -117,7 +117,7 @@ class _UserHook:
             self.second = str(err)
 
 
-def _train(stage: int, user_hook: bool, ddp_strategy: bool = False) -> dict[str, Any]:
+def _train(stage: int, user_hook: bool, ddp_strategy: bool = False, **ddp_kwargs: Any) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -137,8 +137,15 @@ def _train(stage: int, user_hook: bool, ddp_strategy: bool = False) -> dict[str,
         setattr(_shm.SharedMemoryGroup, name, spy)
     user = type("UserHook", (_UserHook, L.Callback), {})()
     losses = LossRecorder()
-    strategy = DDPStrategy() if ddp_strategy else ShardStrategy(stage=stage)
-    callbacks = [losses, user] if user_hook else [losses]
+    strategy = DDPStrategy(**ddp_kwargs) if ddp_strategy else ShardStrategy(stage=stage, **ddp_kwargs)
+    seen: dict[str, Any] = {}
+    keys = ("static_graph", "gradient_as_bucket_view")
+    ddp_options = L.Callback()
+    # The DDP module as training runs (DDPStrategy unwraps it at teardown).
+    ddp_options.on_train_start = lambda trainer, module: seen.update(  # type: ignore[method-assign]
+        {key: getattr(trainer.model, key, None) for key in keys}
+    )
+    callbacks = [losses, user, ddp_options] if user_hook else [losses, ddp_options]
     trainer = L.Trainer(**trainer_kwargs(devices=2, strategy=strategy, max_steps=3, callbacks=callbacks))
     trainer.fit(tiny_gpt(), loader(4))
     return {
@@ -147,12 +154,13 @@ def _train(stage: int, user_hook: bool, ddp_strategy: bool = False) -> dict[str,
         "groups": len(_shm._groups),
         "user": (user.calls, user.second),
         "losses": losses.losses,
+        "ddp": seen,
     }
 
 
 def _stage0_and_ddp() -> dict[str, Any]:
     return {
-        (strategy, hook): _train(0, hook, strategy == "ddp")
+        (strategy, hook): _train(0, hook, strategy == "ddp", static_graph=True, gradient_as_bucket_view=True)
         for strategy in ("shard", "ddp")
         for hook in (False, True)
     }
@@ -184,3 +192,6 @@ def test_stage0_matches_ddpstrategy_and_a_users_ddp_comm_hook_replaces_the_share
         for hook in (False, True):
             assert runs[("shard", hook)]["losses"] == runs[("ddp", hook)]["losses"]
             assert runs[("shard", hook)]["user"] == runs[("ddp", hook)]["user"]
+            # DDPStrategy's options reach the DDP module as under DDPStrategy (both default False).
+            assert runs[("shard", hook)]["ddp"] == runs[("ddp", hook)]["ddp"]
+            assert runs[("shard", hook)]["ddp"] == {"static_graph": True, "gradient_as_bucket_view": True}
