@@ -7,6 +7,7 @@ A sharded checkpoint is written here without a process group (``dcp.save(no_dist
 
 from __future__ import annotations
 
+import os
 import pickle
 from fractions import Fraction
 from pathlib import Path
@@ -207,3 +208,42 @@ def test_load_full_state_dict_refuses_another_model(tmp_path):
     weights = {k: v.clone() for k, v in Tiny(width=3).state_dict().items()}
     load_full_state_dict(model, weights, tmp_path, True)
     _assert_equal(model.state_dict(), weights)
+
+
+class _WritesMarker:
+    """Unpickling it creates ``marker``: what a malicious checkpoint would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> Any:
+        return (os.makedirs, (self.marker,))  # a side effect, and None in its place
+
+
+def test_consolidate_runs_no_planted_payload_unless_trusted(tmp_path, capsys):
+    marker = tmp_path / "payload-ran"
+    path, _ = _sharded(tmp_path, hparams={"width": 3, "name": _WritesMarker(marker)})
+    # The weights alone: the hyper-parameters holding the payload are never unpickled.
+    assert cli_main(["consolidate", str(path), str(tmp_path / "model.pt"), "--weights-only"]) == 0
+    assert not marker.exists()
+    # A Lightning file carries the hyper-parameters: refused, nothing run, nothing written.
+    assert cli_main(["consolidate", str(path), str(tmp_path / "model.ckpt")]) == 2
+    assert "Add --trusted if you trust the checkpoint's source." in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "model.ckpt").exists()
+    # The user opted in: the pickle runs, as torch.load(weights_only=False) would run it.
+    assert cli_main(["consolidate", str(path), str(tmp_path / "model.ckpt"), "--trusted"]) == 0
+    assert marker.exists()
+
+
+def test_init_weights_runs_no_planted_payload(tmp_path):
+    from lightning_shard import ShardStrategy
+
+    marker = tmp_path / "payload-ran"
+    weights = tmp_path / "weights.pt"
+    torch.save({**Tiny(width=3).state_dict(), "planted": _WritesMarker(marker)}, weights)
+    with pytest.raises(
+        ValueError, match="cannot be read as a torch.save state dict .*Weights only load failed"
+    ) as raised:
+        ShardStrategy(stage=3, init_weights=str(weights))
+    assert "weights.pt" in str(raised.value), raised.value
+    assert not marker.exists()

@@ -107,7 +107,10 @@ def refusal_cause(err: BaseException) -> str | None:
     """The one line of torch's ``weights_only`` refusal that names the global ("WeightsUnpickler error: ..."):
     torch puts it after a paragraph of general advice."""
     lines = str(err).strip().splitlines()
-    return next((line.strip() for line in lines if "WeightsUnpickler error" in line), None)
+    # torch names the global either as "WeightsUnpickler error: Unsupported global: ..." or, for a module it
+    # blocks outright (os, subprocess, ...), as "Trying to load unsupported GLOBAL ...".
+    markers = ("WeightsUnpickler error", "unsupported GLOBAL")
+    return next((line.strip() for line in lines if any(m in line for m in markers)), None)
 
 
 def _config_in(hparams: Any, transformers: Any) -> Any:
