@@ -85,18 +85,26 @@ def _break_writes(save_number: int, how: str) -> None:
     FileSystemWriter.write_data = write_data
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], Path]:
+    """One uninterrupted 2-rank run saving every 5 steps: its directory, losses and last committed save."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    losses, _, committed = run_ranks(_fit, 2, str(root))[0]
+    return root, losses, committed
+
+
 @pytest.mark.multirank
-def test_async_save_resume_parity_across_world_sizes(tmp_path):
-    reference, _, committed = run_ranks(_fit, 2, str(tmp_path))[0]
-    assert committed == tmp_path / "epoch=1-step=10.ckpt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+def test_async_save_resume_parity_across_world_sizes(tmp_path, uninterrupted):
+    saved, reference, committed = uninterrupted
+    assert committed == saved / "epoch=1-step=10.ckpt"
+    assert sorted(p.name for p in saved.iterdir()) == [
         "epoch=0-step=5.ckpt",
         "epoch=1-step=10.ckpt",
         "last.ckpt",
     ]
-    assert (tmp_path / "last.ckpt").resolve() == committed.resolve()
+    assert (saved / "last.ckpt").resolve() == committed.resolve()
     resumed, _, _ = run_ranks(
-        _fit, 1, str(tmp_path / "resumed"), 10, str(tmp_path / "epoch=0-step=5.ckpt"), world_size=1
+        _fit, 1, str(tmp_path / "resumed"), 10, str(saved / "epoch=0-step=5.ckpt"), world_size=1
     )[0]
     torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
 
@@ -115,12 +123,12 @@ def test_writer_error_surfaces_and_previous_checkpoint_resumes(tmp_path):
 
 
 @pytest.mark.multirank
-def test_rank_killed_during_background_write_leaves_previous_checkpoint(tmp_path):
+def test_rank_killed_during_background_write_leaves_previous_checkpoint(tmp_path, uninterrupted):
     # The killed rank, or rank 0 aborting on its dead peer first (gloo): either way a rank ended abnormally.
     with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
         run_ranks(_fit, 2, str(tmp_path), 10, None, 5, -1, (2, "kill"))
     _assert_only_first_checkpoint_visible(tmp_path)
-    reference, _, _ = run_ranks(_fit, 2, str(tmp_path / "clean"))[0]
+    _, reference, _ = uninterrupted  # the same run, never interrupted
     resumed, _, _ = run_ranks(_fit, 2, str(tmp_path / "resumed"), 10, str(tmp_path / "last.ckpt"))[0]
     torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
 

@@ -19,14 +19,22 @@ MESHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One smoke run of the benchmark over both world sizes: its stdout and its report."""
+    out = tmp_path_factory.mktemp("layouts") / "layouts.json"
+    run = run_benchmark("bench_layouts.py", "--smoke", "--world-sizes", "2", "4", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_bench_layouts_smoke(tmp_path, world_size):
-    out = tmp_path / "layouts.json"
-    run = run_benchmark("bench_layouts.py", "--smoke", "--world-sizes", str(world_size), "--out", str(out))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "PASS  sp_block_activation_reduction" in run.stdout
-    report = json.loads(out.read_text())
+def test_bench_layouts_smoke(smoke_run, world_size):
+    stdout, report = smoke_run
+    # This world's table, from its header to the next one's.
+    table = stdout.split(f"\n== {world_size} ranks, ", 1)[1].split("\n== ", 1)[0]
+    assert "PASS  sp_block_activation_reduction" in table
     assert report["smoke"] is True and report["all_targets_pass"] is True
     world = report["worlds"][str(world_size)]
     assert world["reference"] == "hsdp" and set(world["layouts"]) == set(LAYOUTS)

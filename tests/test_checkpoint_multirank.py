@@ -51,6 +51,11 @@ def _resume(world: int, stage: int, path: str):
     return _fit(world, stage, 10, resume=path)
 
 
+def _resume_each(world: int, stage: int, paths: list[str]) -> list[list[float]]:
+    """The losses of a resume from each of ``paths``, one after the other on the same ranks."""
+    return [_resume(world, stage, path)[0] for path in paths]
+
+
 @pytest.mark.parametrize("saved_on, resumed_on, stage", [(2, 1, 3), (1, 2, 1)])
 def test_resume_on_a_different_world_size(tmp_path, saved_on, resumed_on, stage):
     reference, _ = run_ranks(_save_then_continue, saved_on, 3, str(tmp_path), world_size=saved_on)[0]
@@ -64,11 +69,11 @@ def test_resume_on_a_different_world_size(tmp_path, saved_on, resumed_on, stage)
 
 def test_resume_from_last_and_consolidate(tmp_path):
     reference, weights = run_ranks(_save_then_continue, 2, 2, str(tmp_path))[0]
-    resumed, _ = run_ranks(_resume, 2, 2, str(tmp_path / "last.ckpt"))[0]
+    paths = [str(tmp_path / "last.ckpt"), str(tmp_path / "epoch=0-step=5.ckpt")]
+    from_last, from_step5 = run_ranks(_resume_each, 2, 2, paths)[0]
     # last.ckpt is the step-10 checkpoint: resuming it trains no further steps.
-    assert resumed == []
-    resumed, _ = run_ranks(_resume, 2, 2, str(tmp_path / "epoch=0-step=5.ckpt"))[0]
-    torch.testing.assert_close(resumed, reference[5:], rtol=1e-5, atol=0)
+    assert from_last == []
+    torch.testing.assert_close(from_step5, reference[5:], rtol=1e-5, atol=0)
 
     out = tmp_path / "model.pt"
     assert cli_main(["consolidate", str(tmp_path / "epoch=1-step=10.ckpt"), str(out), "--weights-only"]) == 0

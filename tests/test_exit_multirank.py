@@ -153,36 +153,41 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_an_error_naming_it(tmp
     assert not _alive(tmp_path)
 
 
-def _save_after_fit(root: str, engine: str, stage: int) -> dict:
+def _save_after_fit(root: str, engine: str, stages: tuple[int, ...]) -> dict[int, dict]:
+    """Per stage, on the same ranks: fit, save between calls, fit again from that checkpoint."""
     import lightning as L
     import torch.distributed as dist
 
     from lightning_shard import ShardStrategy
     from tests.helpers import full_weights, loader, tiny_gpt, trainer_kwargs
 
-    trainer = L.Trainer(
-        devices=2, strategy=ShardStrategy(stage=stage, engine=engine), **trainer_kwargs(max_steps=2)
-    )
-    model = tiny_gpt()
-    trainer.fit(model, loader(4))
-    out: dict = {"alive_after_fit": dist.is_initialized()}
-    path = Path(root) / "after_fit.ckpt"
-    trainer.save_checkpoint(path)  # between calls, on the groups the fit used
-    out["saved"] = path.exists()
-    out["weights"] = full_weights(trainer)
-    trainer.fit_loop.epoch_loop.max_steps = 3
-    trainer.fit(model, loader(4), ckpt_path=str(path))  # resumes at step 2
-    out["steps"] = trainer.global_step
-    out["alive_at_end"] = dist.is_initialized()
-    return out
+    by_stage: dict[int, dict] = {}
+    for stage in stages:
+        trainer = L.Trainer(
+            devices=2, strategy=ShardStrategy(stage=stage, engine=engine), **trainer_kwargs(max_steps=2)
+        )
+        model = tiny_gpt()
+        trainer.fit(model, loader(4))
+        out: dict = {"alive_after_fit": dist.is_initialized()}
+        path = Path(root) / f"s{stage}" / "after_fit.ckpt"
+        trainer.save_checkpoint(path)  # between calls, on the groups the fit used
+        out["saved"] = path.exists()
+        out["weights"] = full_weights(trainer)
+        trainer.fit_loop.epoch_loop.max_steps = 3
+        trainer.fit(model, loader(4), ckpt_path=str(path))  # resumes at step 2
+        out["steps"] = trainer.global_step
+        out["alive_at_end"] = dist.is_initialized()
+        by_stage[stage] = out
+    return by_stage
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_save_checkpoint_after_fit_on_the_live_groups_then_resume_from_it(tmp_path, engine):
     from lightning_shard.demos.ranks import run_ranks
 
+    ranks = run_ranks(_save_after_fit, str(tmp_path), engine, (1, 3))
     for stage in (1, 3):
-        results = run_ranks(_save_after_fit, str(tmp_path / f"s{stage}"), engine, stage)
+        results = [by_stage[stage] for by_stage in ranks]
         for out in results:
             assert out["alive_after_fit"] is True and out["alive_at_end"] is True
             assert out["saved"] and out["steps"] == 3

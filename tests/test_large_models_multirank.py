@@ -140,21 +140,26 @@ class WithHook(Uninitialisable):
         nn.init.ones_(self.scale.gain)
 
 
-def _uninitialisable(hook: bool) -> str:
-    trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=3), **trainer_kwargs(max_steps=1))
-    with trainer.init_module(empty_init=True):
-        model = WithHook() if hook else Uninitialisable()
-    try:
-        trainer.fit(model, loader(4))
-    except ValueError as err:
-        return str(err)
-    return "trained"
+def _uninitialisable(hooks: tuple[bool, ...]) -> list[str]:
+    """Per case, on the same ranks: a model without (False) and with (True) an ``init_weights`` hook."""
+    out = []
+    for hook in hooks:
+        trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=3), **trainer_kwargs(max_steps=1))
+        with trainer.init_module(empty_init=True):
+            model = WithHook() if hook else Uninitialisable()
+        try:
+            trainer.fit(model, loader(4))
+        except ValueError as err:
+            out.append(str(err))
+        else:
+            out.append("trained")
+    return out
 
 
 def test_a_parameter_nothing_can_initialise_is_an_error_naming_it_and_init_weights_fixes_it():
-    message = run_ranks(_uninitialisable, False)[0]
+    (message, rank0_with_hook), (_, rank1_with_hook) = run_ranks(_uninitialisable, (False, True))
     assert "scale (Scale: gain)" in message and "init_weights" in message and "reset_parameters" in message
-    assert run_ranks(_uninitialisable, True) == ["trained", "trained"]
+    assert [rank0_with_hook, rank1_with_hook] == ["trained", "trained"]
 
 
 def _deepspeed_stage3_meta() -> str:

@@ -342,22 +342,31 @@ def _inf_loss_on_rank1_at_step_1(module: L.LightningModule) -> L.LightningModule
     return module
 
 
-def _fit_fp16(stage: int):
-    callback = _OverflowOnRank1()
-    trainer = L.Trainer(
-        devices=2,
-        strategy=ShardStrategy(stage=stage),
-        plugins=[ShardPrecision("16-mixed")],
-        callbacks=[callback],
-        **trainer_kwargs(max_steps=4),
-    )
-    trainer.fit(_inf_loss_on_rank1_at_step_1(tiny_gpt()), loader(4))
-    return callback.snapshots, callback.scales
+def _fit_fp16(stages: tuple[int, ...]) -> dict[int, tuple[Any, list[float]]]:
+    out = {}
+    for stage in stages:
+        callback = _OverflowOnRank1()
+        trainer = L.Trainer(
+            devices=2,
+            strategy=ShardStrategy(stage=stage),
+            plugins=[ShardPrecision("16-mixed")],
+            callbacks=[callback],
+            **trainer_kwargs(max_steps=4),
+        )
+        trainer.fit(_inf_loss_on_rank1_at_step_1(tiny_gpt()), loader(4))
+        out[stage] = (callback.snapshots, callback.scales)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_overflow_runs() -> list[dict[int, tuple[Any, list[float]]]]:
+    """Both stages' overflow runs, one after the other on the same 2 ranks."""
+    return run_ranks(_fit_fp16, (1, 3))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
-    results = run_ranks(_fit_fp16, stage)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(fp16_overflow_runs, stage):
+    results = [by_stage[stage] for by_stage in fp16_overflow_runs]
     for snapshots, scales in results:
         for name, before in snapshots[1].items():
             torch.testing.assert_close(
