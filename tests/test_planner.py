@@ -6,6 +6,8 @@ import dataclasses
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -139,16 +141,35 @@ def test_planned_model_state_matches_two_rank_runs():
                     )
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "full"])
-def test_activation_estimate_matches_measured_gpt(policy):
-    from lightning_shard.activation_checkpointing import apply_activation_checkpointing, measure
-
+_MEASURE = """
+import json, torch
+from lightning_shard.activation_checkpointing import apply_activation_checkpointing, measure
+from lightning_shard.demos import GPT
+out = {}
+for policy in ("none", "selective", "full"):
     torch.manual_seed(0)
     model = GPT(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
-    planned = activation_bytes(shape_from_module(model), 4, 128, policy, 4, 4)
     if policy != "none":
         apply_activation_checkpointing(model, policy)
-    got = measure(model, torch.randint(0, 256, (4, 128))).activation_bytes
+    out[policy] = measure(model, torch.randint(0, 256, (4, 128))).activation_bytes
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def measured_activations() -> dict[str, int]:
+    # In a fresh interpreter: the CPU profiler's memory events, which measure() sums, come out lower in a
+    # process where earlier tests have already profiled and allocated (observed only in the full suite).
+    run = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_activation_estimate_matches_measured_gpt(policy, measured_activations):
+    model = GPT(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4)
+    planned = activation_bytes(shape_from_module(model), 4, 128, policy, 4, 4)
+    got = measured_activations[policy]
     assert abs(planned - got) <= 0.05 * got, f"{policy}: planned {planned:.0f} vs measured {got}"
 
 
