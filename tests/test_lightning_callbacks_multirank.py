@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_shard import ShardStrategy
-from lightning_shard import _lightning_compat_callbacks as compat
 from lightning_shard.demos import GPTModule
 from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.trainer import _callbacks as compat
 from tests.helpers import ENGINES, SEQ, VOCAB, LossRecorder, MemoryLogger, loader, trainer_kwargs
 
 FAIL_AT = 3  # the training step that raises in the OnExceptionCheckpoint run
