@@ -160,6 +160,12 @@ def fsdp_keep_gathered_after_nested_forward(root: Any) -> None:
             group._training_state = TrainingState.FORWARD
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed block's recompute)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)  # private torch API
+    return current is not None and current() != -1
+
+
 def fsdp_forward_hooks(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """FSDP2's own pre- and post-forward of ``module``: ``pre(module, args, kwargs) -> (args, kwargs)``,
     ``post(module, args, output) -> output``.

@@ -125,7 +125,9 @@ class DirectCalls:
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.depth += 1  # first: the post-forward hook (always called) undoes it if this raises
-        if self.depth > 1:
+        if self.depth > 1 or _compat.in_backward():
+            # Inside another call, or a checkpointed block re-run in backward: FSDP's own backward hooks
+            # gather there, and a recompute must replay the forward's ops exactly.
             return args, kwargs
         if not dist.is_initialized():
             raise RuntimeError(
