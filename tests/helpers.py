@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -224,18 +233,72 @@ def job_env(pythonpath: bool = True) -> dict[str, str]:
     return env
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 400) -> Any:
-    """Run ``benchmarks/<script>`` with ``args`` from the repository root; the completed process."""
-    import subprocess
-    import sys
-    from pathlib import Path
+class _BenchServer:
+    """``tests/jobs/bench_server.py``, started on first use: the benchmarks run in one interpreter, which imports
+    torch and Lightning once and forks every benchmark's ranks from one preloaded server."""
 
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(
-        [sys.executable, str(root / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=job_env(),
-        cwd=root,
-    )
+    def __init__(self) -> None:
+        root = Path(__file__).resolve().parents[1]
+        self.log = tempfile.NamedTemporaryFile(prefix="bench_server_", suffix=".log", delete=False)  # noqa: SIM115
+        read, write = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(root / "tests" / "jobs" / "bench_server.py"), str(write)],
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=job_env(),
+            cwd=root,
+            pass_fds=(write,),
+            start_new_session=True,  # a timeout stops the server with every rank it started
+        )
+        os.close(write)
+        self.answers = os.fdopen(read)
+        atexit.register(self.stop)
+
+    def run(self, script: str, args: tuple[str, ...], timeout: float) -> Any:
+        assert self.proc.stdin is not None
+        logged = os.path.getsize(self.log.name)
+        self.proc.stdin.write(json.dumps({"script": script, "args": list(args)}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.answers], [], [], timeout)
+        line = self.answers.readline() if ready else ""
+        with open(self.log.name) as log:
+            log.seek(logged)
+            ranks_output = log.read()
+        cmd = ["benchmarks/" + script, *args]
+        if not line:  # timed out, or the server died with the benchmark
+            self.stop(wait=0 if not ready else 30)
+            if not ready:
+                raise subprocess.TimeoutExpired(cmd, timeout, output=ranks_output)
+            return subprocess.CompletedProcess(cmd, self.proc.returncode or 1, "", ranks_output)
+        answer = json.loads(line)
+        stderr = answer["stderr"] + ranks_output
+        return subprocess.CompletedProcess(cmd, answer["returncode"], answer["stdout"], stderr)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, wait: float = 30) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+_bench_server: _BenchServer | None = None
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 400) -> Any:
+    """Run ``benchmarks/<script>`` with ``args`` as ``python benchmarks/<script> ...`` from the repository root
+    would (in one interpreter kept for every benchmark of the session); a completed process: the exit code, what
+    the script printed as stdout, and as stderr what it printed there followed by its ranks' output."""
+    global _bench_server
+    if _bench_server is None or not _bench_server.alive():
+        _bench_server = _BenchServer()
+    return _bench_server.run(script, args, timeout)
