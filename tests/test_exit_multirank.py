@@ -75,9 +75,25 @@ def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_betwe
     assert not _alive(tmp_path)
 
 
-def test_under_torchrun_groups_stay_alive_between_calls_and_the_job_exits_zero(tmp_path):
+#: 4 steps per epoch, a checkpoint at each epoch's end: a resume from one is exact (Lightning resumes a plain
+#: DataLoader exactly only at an epoch's end), so a restarted run must end with the uninterrupted run's weights.
+EXACT = ("--epoch-steps", "4", "--every", "4", "--max-steps", "8", "--digest")
+
+
+def _weights(out: str) -> set[str]:
+    """The weight digests the ranks printed after fit."""
+    return set(re.findall(r"rank \d weights ([0-9a-f]{64})", out))
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """The job under torchrun, uninterrupted: fit 8 steps, fit again, test."""
+    return _torchrun([], tmp_path_factory.mktemp("torchrun"), *_engine_args("fsdp"), *EXACT, "--then-test")
+
+
+def test_under_torchrun_groups_stay_alive_between_calls_and_the_job_exits_zero(torchrun_job):
     # torchrun's workers share the agent's store; the groups made on it outlive each Trainer call.
-    run = _torchrun([], tmp_path, *_engine_args("fsdp"), "--then-test")
+    run = torchrun_job
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} process group alive after fit: True" in run.stdout
@@ -218,23 +234,30 @@ def test_a_fabric_rank_that_outlives_rank_0_is_stopped_as_under_the_trainer(tmp_
     assert not lingering, lingering
 
 
-def test_a_torchrun_restart_reconnects_and_resumes_from_the_last_checkpoint(tmp_path):
+def test_a_torchrun_restart_reconnects_and_resumes_to_the_uninterrupted_runs_weights(tmp_path, torchrun_job):
     # torchrun's agent keeps its store across restarts; the restarted attempt must not dial the dead
     # attempt's addresses (the default group is keyed by run id and restart count).
     run = _torchrun(
         ["--max-restarts", "1", "--standalone"],
         tmp_path,
         *_engine_args("fsdp"),
-        *("--die-rank", "1", "--die-step", "5", "--resume", "last"),
+        *EXACT,
+        *("--die-rank", "1", "--die-step", "7", "--resume", "last"),
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    assert "rank 1 dies at step 5" in out, out[-4000:]
+    assert "rank 1 dies at step 7" in out, out[-4000:]
     assert "Restoring states from the checkpoint path at" in out, out[-4000:]
-    resumed = re.findall(r"rank (\d) of 2 starts training at step ([1-9]\d*)", out)
-    assert sorted(rank for rank, _ in resumed) == ["0", "1"], out[-4000:]
     for rank in (0, 1):
-        assert f"rank {rank} finished fit at step 6" in out, out[-4000:]
+        assert f"rank {rank} of 2 starts training at step 4" in out, out[
+            -4000:
+        ]  # from last: the first epoch's end
+        assert f"rank {rank} finished fit at step 8" in out, out[-4000:]
+    uninterrupted = _weights(torchrun_job.stdout)
+    assert len(uninterrupted) == 1 and _weights(out) == uninterrupted, out[-4000:]
+    # The resumed run keeps saving `last` under its name, as after plain saves (no last-v1.ckpt).
+    names = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"], names
     assert not list(tmp_path.rglob("*.tmp"))
 
 

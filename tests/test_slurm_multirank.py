@@ -30,6 +30,7 @@ SHARD = ["fsdp1", "fsdp3", "deepspeed1", "deepspeed3"]
 def _srun(root: Path, nodes: int, per_node: int, *command: str, path: str | None = None) -> str:
     """``command`` as one SLURM job step of ``nodes`` x ``per_node`` tasks (the variables ``sbatch`` exports,
     then ``srun``'s per task); its output."""
+    assert nodes <= 2, "this host has two names to list as nodes"
     env = {
         key: value
         for key, value in job_env().items()
@@ -40,7 +41,8 @@ def _srun(root: Path, nodes: int, per_node: int, *command: str, path: str | None
         SLURM_JOB_NAME="train",
         SLURM_NNODES=str(nodes),
         SLURM_NTASKS_PER_NODE=str(per_node),
-        SLURM_JOB_NODELIST="localhost",
+        # One host per node, as SLURM lists them (two names of this host); Lightning meets on the first.
+        SLURM_JOB_NODELIST=",".join(["localhost", "127.0.0.1"][:nodes]),
         OMP_NUM_THREADS="1",
     )
     if path is not None:
@@ -79,8 +81,8 @@ def test_both_engines_train_as_ddp_and_resume_from_the_hpc_checkpoint_of_sigusr1
     for name in SHARD:
         assert (tmp_path / name / "hpc_ckpt_1.ckpt").is_dir(), name  # every rank wrote its shard
         torch.testing.assert_close(first[name][1], first["ddp"][1], rtol=1e-5, atol=0, msg=name)
-    # The requeued job, on 2 nodes x 1 task: Lightning finds the HPC checkpoint and resumes at step 2.
-    second = _job(tmp_path, 2, 1, "--max-steps", "6")
+    # The requeued job, on 2 nodes x 2 tasks: Lightning finds the HPC checkpoint and resumes at step 2 on 4 ranks.
+    second = _job(tmp_path, 2, 2, "--max-steps", "6")
     assert second["ddp"][0] == 2
     for name in SHARD:
         assert second[name][0] == 2, name

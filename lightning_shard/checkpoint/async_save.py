@@ -49,6 +49,7 @@ class AsyncCheckpointer:
         self._future: Future | None = None
         self._path: Location | None = None
         self._step: int | None = None
+        self._meta: dict[str, Any] = {}
         self._committed = threading.Event()
         self._committed.set()
         self._lock = threading.Lock()
@@ -70,17 +71,21 @@ class AsyncCheckpointer:
         same_step = self._path is not None and step is not None and step == self._step and path != self._path
         if alias and same_step:
             # Same training step saved under a second name (ModelCheckpoint's last.ckpt): alias the
-            # checkpoint being written instead of writing the same bytes twice.
+            # checkpoint being written instead of writing the same bytes twice. The later call's metadata
+            # wins: the callbacks' state there already names this save (ModelCheckpoint's last_model_path), so a
+            # run resumed from either name keeps writing to it, as after two plain saves.
             with self._lock:
                 if self._committed.is_set():
+                    self._rewrite_meta(meta)
                     self._make_alias(path)
                 else:
+                    self._meta = meta
                     self._aliases.append(path)
             return
         self.wait()
         tmp = begin(path, self.is_rank0, barrier)
         self._committed.clear()
-        self._path, self._step, self._aliases = path, step, []
+        self._path, self._step, self._aliases, self._meta = path, step, [], meta
         # Thread mode returns a plain Future (AsyncSaveResponse only comes with async staging).
         future = cast(
             Future,
@@ -92,15 +97,19 @@ class AsyncCheckpointer:
             ),
         )
         self._future = future
-        future.add_done_callback(lambda f: self._finish(f, tmp, path, meta))
+        future.add_done_callback(lambda f: self._finish(f, tmp, path))
 
-    def _finish(self, future: Future, tmp: Location, path: Location, meta: dict[str, Any]) -> None:
+    def _finish(self, future: Future, tmp: Location, path: Location) -> None:
         try:
             future.result()
             if self.is_rank0:
+                with self._lock:
+                    meta = self._meta  # the latest, an alias's included
                 torch_files.save(meta, tmp / META_FILENAME)
                 commit(tmp, path)
                 with self._lock:
+                    if meta is not self._meta:  # an alias's metadata arrived during the commit
+                        self._rewrite_meta(self._meta)
                     self.last_committed = path
                     for alias in self._aliases:
                         self._make_alias(alias)
@@ -143,6 +152,18 @@ class AsyncCheckpointer:
         except OSError as err:
             # A failed delete must not kill the commit thread, or later commits would never happen.
             log.warning("Could not remove old checkpoint %s: %s", path, err)
+
+    def _rewrite_meta(self, meta: dict[str, Any]) -> None:
+        """Replace the committed checkpoint's ``meta.pt`` whole (a rename locally; one object remotely)."""
+        if not self.is_rank0 or self._path is None:
+            return
+        self._meta = meta
+        if isinstance(self._path, Remote):
+            torch_files.save(meta, self._path / META_FILENAME)
+            return
+        staged = self._path / (META_FILENAME + ".tmp")
+        torch_files.save(meta, staged)
+        os.replace(staged, self._path / META_FILENAME)
 
     def _make_alias(self, alias: Location) -> None:
         if not self.is_rank0 or self._path is None:

@@ -296,15 +296,36 @@ def load_into_deepspeed(
                 " fp32 weights."
             )
         # No optimizer state to move: the module's weights are the fp32 master weights, on any world size.
-        loaded, client_state = model.load_checkpoint(
-            str(path),
-            tag=DEEPSPEED_TAG,
-            load_optimizer_states=False,
-            load_lr_scheduler_states=False,
-            load_module_only=True,
-        )
+        if model.zero_optimization_partition_weights():
+            loaded, client_state = _load_zero3_module(model, path)
+        else:
+            loaded, client_state = model.load_checkpoint(
+                str(path),
+                tag=DEEPSPEED_TAG,
+                load_optimizer_states=False,
+                load_lr_scheduler_states=False,
+                load_module_only=True,
+            )
     if loaded is None:
         raise CheckpointLoadError(
             f"DeepSpeed found no checkpoint under {str(path)!r} (tag {DEEPSPEED_TAG!r})."
         )
     return {k: v for k, v in client_state.items() if k not in ("module", "optimizer", MODEL_KEY)}
+
+
+def _load_zero3_module(model: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    """What DeepSpeed's ``load_checkpoint(load_module_only=True)`` does at ZeRO-3, on any number of ranks: every
+    rank rebuilds the fp32 weights from all partitions (``zero_to_fp32``), rank 0's copy goes into the
+    partitioned parameters, and the optimizer's fp32 partitions are refreshed from them. DeepSpeed's own call
+    reads this rank's ``zero_pp_rank_<r>`` file for the client state, which a run on more ranks than saved lacks;
+    here it comes from rank 0's, as every rank's holds the same."""
+    import deepspeed  # optional: DeepSpeed
+
+    weights = load_model_weights(path, weights_only=False)  # its files were checked before
+    params = [p for p in model.module.parameters() if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        model.module.load_state_dict(weights, strict=True)
+    if hasattr(model.optimizer, "refresh_fp32_params"):
+        model.optimizer.refresh_fp32_params()
+    states = deepspeed_model_states(path, weights_only=False)
+    return str(path), {key: value for key, value in states.items() if key != "module"}

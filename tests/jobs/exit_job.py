@@ -6,11 +6,14 @@ its exit code is what a scheduler would see. Used by the exit tests and benchmar
     --hang-rank R     rank R sleeps inside training_step at step --hang-step (a hung rank)
     --step-sleep S    seconds each training step sleeps (time to send a signal mid-training)
     --die-rank R      rank R exits at once (os._exit) at step --die-step, in torchrun's first attempt only
+    --epoch-steps N   N steps per epoch (Lightning's limit_train_batches): checkpoints at epoch ends resume exactly
+    --digest          each rank prints a SHA-256 of the full weights after fit
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -82,6 +85,17 @@ def report_collectives(trainer: L.Trainer, after: str) -> None:
     print(f"rank {rank} after {after}: broadcast={best} sum={total} gather={gathered}", flush=True)
 
 
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's full value, in order (a sharded one gathered: every rank calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        digest.update(name.encode() + full.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", default="fsdp")
@@ -96,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=3)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--epoch-steps", type=int, default=None)
+    parser.add_argument("--digest", action="store_true")
     parser.add_argument(
         "--then-test", action="store_true", help="fit again (2 more steps), then test: same Trainer"
     )
@@ -142,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        limit_train_batches=args.epoch_steps,
     )
     model = JobModule(args.hang_rank, args.hang_step, args.step_sleep, args.die_rank, args.die_step)
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
@@ -150,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"rank {trainer.global_rank} finished fit at step {trainer.global_step}", flush=True)
     print(f"rank {trainer.global_rank} process group alive after fit: {dist.is_initialized()}", flush=True)
+    if args.digest:
+        print(f"rank {trainer.global_rank} weights {weights_digest(model)}", flush=True)
     if args.collectives:
         report_collectives(trainer, "fit")
     if args.then_test:
