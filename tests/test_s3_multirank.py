@@ -77,11 +77,11 @@ def _crash_before_commit(step: int) -> None:
     the worst moment to die, made certain instead of left to a timer."""
     finish = AsyncCheckpointer._finish
 
-    def dying(self: AsyncCheckpointer, future: Any, tmp: Any, path: Any, meta: dict[str, Any]) -> None:
-        if meta.get("global_step") == step and self.is_rank0:
+    def dying(self: AsyncCheckpointer, future: Any, tmp: Any, path: Any) -> None:
+        if self._step == step and self.is_rank0:
             future.result()
             os._exit(17)
-        finish(self, future, tmp, path, meta)
+        finish(self, future, tmp, path)
 
     AsyncCheckpointer._finish = dying  # type: ignore[method-assign]
 
