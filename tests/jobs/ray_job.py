@@ -7,8 +7,8 @@ One Ray session runs every part given to ``--parts`` in turn (starting Ray and i
               stage 1, FSDP stage 3 and DeepSpeed stage 3, 2 epochs each, one Trainer after another
     failure   2 workers, FSDP stage 3; rank 1 exits (os._exit) inside epoch 2 of the first attempt; Ray restarts
               the run (FailureConfig(max_failures=1)), which resumes from the checkpoint reported at epoch 1
-    reshard   1 worker resumes the FSDP stage 3 checkpoint that 2 workers reported at the end of ``parity``,
-              and trains a third epoch
+    reshard   1 worker resumes the FSDP stage 3 and the DeepSpeed stage 3 checkpoints that 2 workers reported at
+              the end of ``parity``, and trains a third epoch
 
 Writes ``<root>/<part>/<name>/rank<r>.json`` (the step training started at and each step's mean loss) and
 ``<root>/<part>.json`` (Ray's result: error, checkpoint directories).
@@ -114,8 +114,9 @@ def _data() -> DataLoader:
 def train_func(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     # Read once: Ray's answer changes with each checkpoint this run reports (one Trainer after another).
-    resume = config.get("resume") or ray.train.get_checkpoint()
+    reported = ray.train.get_checkpoint()
     for run_id, name in enumerate(config["names"]):
+        resume = config["resume"][name] if config.get("resume") else reported
         L.seed_everything(0)
         report = RecordingReport()
         trainer = L.Trainer(
@@ -195,10 +196,13 @@ def main() -> None:
             _run(root, part, 2, max_failures=1, names=["fsdp3"], max_epochs=2, exit_at=[1, 1])
         elif part == "reshard":
             saved = json.loads((root / "parity.json").read_text())["checkpoints"]
-            fsdp3 = [c["path"] for c in saved if c["run_id"] == names.index("fsdp3") and c["epoch"] == 1]
-            if not fsdp3:
-                raise SystemExit(f"no FSDP stage 3 checkpoint of epoch 2 among {saved}")
-            _run(root, part, 1, names=["fsdp3"], max_epochs=3, resume=Checkpoint(fsdp3[0]))
+            resume = {}
+            for name in ("fsdp3", "deepspeed3"):
+                paths = [c["path"] for c in saved if c["run_id"] == names.index(name) and c["epoch"] == 1]
+                if not paths:
+                    raise SystemExit(f"no {name} checkpoint of epoch 2 among {saved}")
+                resume[name] = Checkpoint(paths[0])
+            _run(root, part, 1, names=list(resume), max_epochs=3, resume=resume)
     ray.shutdown()
 
 
