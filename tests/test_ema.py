@@ -322,12 +322,9 @@ def test_lightning_averaging_is_refused_under_deepspeed(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_weight_averaging_is_refused_at_stages_0_and_1_and_swa_allowed(stage):
-    with pytest.raises(
-        ValueError,
-        match=rf"ShardStrategy\(stage={stage}\) cannot run Lightning's EMAWeightAveraging callback: a run it"
-        r" checkpointed cannot be resumed.*Use lightning_shard.EMA",
-    ):
-        check_callbacks(_trainer_with(EMAWeightAveraging()), f"ShardStrategy(stage={stage})", stage, "fsdp")
+def test_lightning_averaging_is_allowed_at_stages_0_and_1(stage):
+    # Their results and resumes equal DDPStrategy's: tests/test_ema_multirank.py.
+    for callback in (EMAWeightAveraging(), WeightAveraging()):
+        check_callbacks(_trainer_with(callback), f"ShardStrategy(stage={stage})", stage, "fsdp")
     check_callbacks(_trainer_with(StochasticWeightAveraging(swa_lrs=0.1)), "ShardStrategy()", stage, "fsdp")
     check_callbacks(_trainer_with(EMA()), "ShardStrategy()", 3, "deepspeed")

@@ -103,9 +103,10 @@ def _job(engine: str, root: str) -> dict[str, Any]:
     return out
 
 
-def _lightning_job(engine: str) -> dict[str, Any]:
+def _lightning_job(engine: str, root: str) -> dict[str, Any]:
     """Lightning's EMAWeightAveraging under DDP (the reference the DDP run of EMA is held to); its
-    StochasticWeightAveraging at the stages where ShardStrategy allows it, and under DDP."""
+    StochasticWeightAveraging and EMAWeightAveraging at the stages where ShardStrategy allows them (EMA's run
+    checkpointed, sharded at stage 0 and in one file at stage 1, and resumed), and under DDP."""
     from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -113,10 +114,23 @@ def _lightning_job(engine: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     if engine == "fsdp":
-        for name, strategy in (("stage0", ShardStrategy(stage=0)), ("stage1", ShardStrategy(stage=1))):
+        for stage, checkpoint in ((0, "sharded"), (1, "full")):
+            name = f"stage{stage}"
             out["swa", name] = _fit(
-                strategy, averaging=StochasticWeightAveraging(0.1, swa_epoch_start=1)
+                ShardStrategy(stage=stage), averaging=StochasticWeightAveraging(0.1, swa_epoch_start=1)
             ).weights
+            ckpt_dir = Path(root) / f"lightning_ema_{name}"
+            run = _fit(
+                ShardStrategy(stage=stage, checkpoint=checkpoint),
+                ckpt_dir=str(ckpt_dir),
+                averaging=EMAWeightAveraging(decay=DECAY),
+            )
+            resumed = _fit(
+                ShardStrategy(stage=stage, checkpoint=checkpoint),
+                resume=str(ckpt_dir / "epoch=0-step=3.ckpt"),
+                averaging=EMAWeightAveraging(decay=DECAY),
+            )
+            out["ema", name] = {"val": run.val_losses, "weights": run.weights, "resumed": resumed.weights}
         out["swa", "ddp"] = _fit(
             DDPStrategy(), averaging=StochasticWeightAveraging(0.1, swa_epoch_start=1)
         ).weights
@@ -129,15 +143,23 @@ def _lightning_job(engine: str) -> dict[str, Any]:
 def test_ema_equals_ddps_at_every_stage_and_after_resume(engine, tmp_path):
     results = run_ranks(_job, engine, str(tmp_path))
     ddp = results[0]["ddp"]
-    lightning = run_ranks(_lightning_job, engine)[0]
+    lightning = run_ranks(_lightning_job, engine, str(tmp_path))[0]
     # Under DDP, EMA is Lightning's EMAWeightAveraging (which averages by decay * ema + (1 - decay) * w)...
     torch.testing.assert_close(ddp["val"], lightning["ema", "ddp"]["val"], rtol=1e-5, atol=0)
     for key, value in lightning["ema", "ddp"]["weights"].items():
         torch.testing.assert_close(ddp["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    # ...and Lightning's SWA gives DDP's weights at the stages check_callbacks allows it (FSDP engine 0-1).
+    # ...and Lightning's SWA and EMA give DDP's weights at the stages check_callbacks allows them (FSDP engine
+    # 0-1), EMA's resumed from its checkpoint too.
     for stage in ("stage0", "stage1") if engine == "fsdp" else ():
         for key, value in lightning["swa", "ddp"].items():
             torch.testing.assert_close(lightning["swa", stage][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        ema = lightning["ema", stage]
+        torch.testing.assert_close(ema["val"], lightning["ema", "ddp"]["val"], rtol=1e-5, atol=0)
+        for key, value in lightning["ema", "ddp"]["weights"].items():
+            for what in ("weights", "resumed"):
+                torch.testing.assert_close(
+                    ema[what][key], value, rtol=1e-5, atol=1e-6, msg=f"{stage} {what} {key}"
+                )
     assert len(ddp["val"]) == 2  # validation after steps 3 and 6, each with the average swapped in
     final = tiny_gpt()  # the average differs from the last step's weights: the test can tell them apart
     assert not torch.allclose(ddp["weights"]["model.tok_emb.weight"], final.model.tok_emb.weight.detach())

@@ -117,7 +117,14 @@ class CheckpointHooks(EngineSteps):
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
             trainer = getattr(self.lightning_module, "_trainer", None)
             weights_only = getattr(trainer, _compat.WEIGHTS_ONLY_ATTR, None)
-        return self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)
+        checkpoint = self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)
+        if "averaging_state" in checkpoint:
+            # Lightning's WeightAveraging saved its averages as the model's state and reads them back from this
+            # entry, by the LightningModule's names: a sharded checkpoint keeps them in its shards and a one-file
+            # one was read by the wrapped module's names. Both are in the module now, whole at stages 0-1 (the
+            # stages that allow the callback).
+            checkpoint["state_dict"] = self.lightning_module.state_dict()
+        return checkpoint
 
 
 _compat.resolve_last_checkpoint(_last_on_object_stores)

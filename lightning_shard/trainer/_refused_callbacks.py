@@ -11,14 +11,12 @@ callback                       works                          fails
 ``StochasticWeightAveraging``  FSDP engine, stages 0-1: DDP's  stages 2-3 ("got mixed torch.Tensor and DTensor"),
                                weights, resumed runs too      DeepSpeed ("DeepSpeedZeroOptimizer is not an
                                                               Optimizer")
-``WeightAveraging``,           nowhere                        stages 2-3 (DTensor), DeepSpeed (ZeRO-3 parameters
-``EMAWeightAveraging``                                        are size 0 on every rank); at stages 0-1 training
-                                                              runs, but resuming its checkpoint fails: it reads
-                                                              the averages back from the checkpoint's
-                                                              ``state_dict`` entry, which sharded checkpoints keep
-                                                              in their shards and one-file checkpoints key by the
-                                                              DDP-wrapped names
+``WeightAveraging``,           FSDP engine, stages 0-1: DDP's  stages 2-3 (DTensor), DeepSpeed (ZeRO-3 parameters
+``EMAWeightAveraging``         weights, resumed runs too      are size 0 on every rank)
 =============================  =============================  =================================================
+
+A resume reads the averages back from the checkpoint's ``state_dict`` entry: the strategy's ``load_checkpoint``
+fills it from the module (see ``trainer/_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -64,8 +62,5 @@ def _why_not(callback: Any, stage: int, engine: str) -> str | None:
             )
         if stage >= 2:
             return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
-        return (
-            "a run it checkpointed cannot be resumed: it reads the averages back from the checkpoint's 'state_dict'"
-            " entry, which ShardStrategy's checkpoints keep in their shards"
-        )
+        return None
     return None
