@@ -25,7 +25,13 @@ pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install
 pytestmark = pytest.mark.multirank
 
 JOB = Path(__file__).parent / "jobs" / "ray_job.py"
-SHARD = ["fsdp1", "fsdp3", "deepspeed3"]
+SHARD = [
+    "fsdp1",
+    "fsdp3",
+    "deepspeed3",
+    "fsdp0",
+    "fsdp2",
+]  # data-parallel over both workers, as RayDDPStrategy
 STEPS_PER_EPOCH = 4  # 32 samples, batch 4 per worker, 2 workers
 DCP_RANK0 = ["checkpoint.ckpt/.metadata", "checkpoint.ckpt/__0_0.distcp", "checkpoint.ckpt/meta.pt"]
 DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
@@ -71,7 +77,7 @@ def test_every_engine_trains_as_ray_ddp_in_ray_workers(job):
 
 def test_each_worker_reports_its_own_shards_and_ray_keeps_the_whole_checkpoint(job):
     checkpoints = _part(job, "parity")["checkpoints"]
-    assert len(checkpoints) == 8  # 4 Trainers x 2 epochs
+    assert len(checkpoints) == 14  # 7 Trainers x 2 epochs
     for name in ("fsdp1", "fsdp3"):
         # Each worker's own directory (on its own host, all Ray can upload from it): its own shard only.
         rank0, rank1 = _ranks(job, "parity", name, 2)
@@ -82,11 +88,44 @@ def test_each_worker_reports_its_own_shards_and_ray_keeps_the_whole_checkpoint(j
             str(f.relative_to(saved["path"])) for f in Path(saved["path"]).rglob("*") if f.is_file()
         )
         assert not any(".tmp" in f for f in files), files  # every rank committed its part
-        if saved["run_id"] in (1, 2):  # FSDP stages 1 and 3: DCP shards of both ranks and rank 0's metadata
+        if saved["run_id"] in (
+            1,
+            2,
+            5,
+        ):  # FSDP stages 1, 3, 2: DCP shards of both ranks and rank 0's metadata
             assert files == sorted(DCP_RANK0 + DCP_RANK1), files
         elif saved["run_id"] == 3:  # DeepSpeed ZeRO-3: each rank's partition files
             for rank in (0, 1):
                 assert any(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in f for f in files), files
+
+
+def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
+    # One data-parallel rank: both workers read the same batches (the sampler takes the mesh's data-parallel
+    # rank, not Ray's world rank) and their loss is one process's on the whole model. The one process reads
+    # them as Lightning's sampler for training does (one replica, shuffled with seed 0).
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from tests.jobs.ray_job import JobModule, _data
+
+    (rank0, rank1) = _ranks(job, "parity", "tp2", 2)
+    assert rank1["losses"] == rank0["losses"]
+    L.seed_everything(0)
+    model = JobModule(run_id=6)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = _data().dataset
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(model, DataLoader(data, batch_size=4, sampler=sampler))
+    assert len(model.losses) == 4 * STEPS_PER_EPOCH  # all 32 samples per epoch on the one data-parallel rank
+    torch.testing.assert_close(rank0["losses"], model.losses, rtol=1e-5, atol=0)
 
 
 def test_a_lost_worker_restarts_from_the_reported_sharded_checkpoint_and_ends_as_the_uninterrupted_run(job):

@@ -4,7 +4,8 @@
 One Ray session runs every part given to ``--parts`` in turn (starting Ray and its workers is the slow step):
 
     parity    2 workers fit the same small GPT (plain SGD) under RayDDPStrategy, then RayShardStrategy at FSDP
-              stage 1, FSDP stage 3 and DeepSpeed stage 3, 2 epochs each, one Trainer after another
+              stages 1 and 3, DeepSpeed stage 3, FSDP stages 0 and 2, and stage 3 with tensor parallelism over
+              both workers (one data-parallel rank), 2 epochs each, one Trainer after another
     failure   2 workers, FSDP stage 3; rank 1 exits (os._exit) inside epoch 2 of the first attempt; Ray restarts
               the run (FailureConfig(max_failures=1)), which resumes from the checkpoint reported at epoch 1
     reshard   1 worker resumes the FSDP stage 3 and the DeepSpeed stage 3 checkpoints that 2 workers reported at
@@ -47,6 +48,9 @@ STRATEGIES = {
     "fsdp1": lambda: RayShardStrategy(stage=1),
     "fsdp3": lambda: RayShardStrategy(stage=3),
     "deepspeed3": lambda: RayShardStrategy(stage=3, engine="deepspeed"),
+    "fsdp0": lambda: RayShardStrategy(stage=0),
+    "fsdp2": lambda: RayShardStrategy(stage=2),
+    "tp2": lambda: RayShardStrategy(stage=3, tensor_parallel_size=2),
 }
 
 
