@@ -7,7 +7,9 @@ One Ray session runs every part given to ``--parts`` in turn (starting Ray and i
               stages 1 and 3, DeepSpeed stage 3, FSDP stages 0 and 2, and stage 3 with tensor parallelism over
               both workers (one data-parallel rank), 2 epochs each, one Trainer after another
     failure   2 workers, FSDP stage 3; rank 1 exits (os._exit) inside epoch 2 of the first attempt; Ray restarts
-              the run (FailureConfig(max_failures=1)), which resumes from the checkpoint reported at epoch 1
+              the run (FailureConfig(max_failures=1)), which resumes from the checkpoint reported at epoch 1;
+              Ray's storage is ``s3://`` on the local S3 server (moto): the workers' shards are uploaded there
+              and the restarted run reads them back
     reshard   1 worker resumes the FSDP stage 3 and the DeepSpeed stage 3 checkpoints that 2 workers reported at
               the end of ``parity``, and trains a third epoch
 
@@ -18,6 +20,7 @@ Writes ``<root>/<part>/<name>/rank<r>.json`` (the step training started at and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pyarrow.fs
 import ray
 import ray.train
 import torch
@@ -39,6 +43,7 @@ from ray.train.torch import TorchTrainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard.demos import GPTModule
+from lightning_shard.demos.s3 import local_s3_server
 from lightning_shard.ray import RayShardStrategy
 
 VOCAB, SEQ = 64, 16
@@ -156,7 +161,16 @@ def train_func(config: dict[str, Any]) -> None:
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def _run(root: Path, part: str, workers: int, max_failures: int = 0, **config: Any) -> Any:
+def _files(checkpoint: Checkpoint) -> list[str]:
+    """The files of a checkpoint in Ray's storage (local or an object store), relative to it."""
+    found = checkpoint.filesystem.get_file_info(pyarrow.fs.FileSelector(checkpoint.path, recursive=True))
+    root = checkpoint.path.rstrip("/") + "/"
+    return sorted(f.path[len(root) :] for f in found if f.type == pyarrow.fs.FileType.File)
+
+
+def _run(
+    root: Path, part: str, workers: int, max_failures: int = 0, storage: str | None = None, **config: Any
+) -> Any:
     started = time.perf_counter()
     trainer = TorchTrainer(
         train_func,
@@ -164,7 +178,7 @@ def _run(root: Path, part: str, workers: int, max_failures: int = 0, **config: A
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(
             name=part,
-            storage_path=str(root / "storage"),
+            storage_path=storage or str(root / "storage"),
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
@@ -176,7 +190,7 @@ def _run(root: Path, part: str, workers: int, max_failures: int = 0, **config: A
     checkpoints = []
     if result is not None and result.best_checkpoints:
         checkpoints = [
-            {"path": c.path, "epoch": m.get("epoch"), "run_id": m.get("run_id")}
+            {"path": c.path, "epoch": m.get("epoch"), "run_id": m.get("run_id"), "files": _files(c)}
             for c, m in result.best_checkpoints
         ]
     summary = {"error": error, "checkpoints": checkpoints, "seconds": time.perf_counter() - started}
@@ -191,13 +205,23 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.root)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(HEALTH_CHECK_S)  # read by Ray's controller
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with contextlib.ExitStack() as stack:
+        # Started before Ray, whose workers inherit its endpoint and credentials (AWS_* variables).
+        stack.enter_context(local_s3_server(bucket="ray"))
+        endpoint = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
+        s3 = f"s3://ray/storage?endpoint_override={endpoint}&scheme=http"
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        stack.callback(ray.shutdown)
+        _parts(root, args.parts, s3)
+
+
+def _parts(root: Path, parts: list[str], s3: str) -> None:
     names = list(STRATEGIES)
-    for part in args.parts:
+    for part in parts:
         if part == "parity":
             _run(root, part, 2, names=names, max_epochs=2)
         elif part == "failure":
-            _run(root, part, 2, max_failures=1, names=["fsdp3"], max_epochs=2, exit_at=[1, 1])
+            _run(root, part, 2, max_failures=1, storage=s3, names=["fsdp3"], max_epochs=2, exit_at=[1, 1])
         elif part == "reshard":
             saved = json.loads((root / "parity.json").read_text())["checkpoints"]
             resume = {}
@@ -207,7 +231,6 @@ def main() -> None:
                     raise SystemExit(f"no {name} checkpoint of epoch 2 among {saved}")
                 resume[name] = Checkpoint(paths[0])
             _run(root, part, 1, names=list(resume), max_epochs=3, resume=resume)
-    ray.shutdown()
 
 
 if __name__ == "__main__":
