@@ -1,9 +1,9 @@
 """RayShardStrategy inside Ray Train ``TorchTrainer`` workers, on a real local Ray cluster.
 
 ``tests/jobs/ray_job.py`` runs, in one Ray session, the job as Ray's Lightning guide writes it: 2 workers under
-RayDDPStrategy and RayShardStrategy (FSDP stages 1 and 3, DeepSpeed stage 3), a worker lost in epoch 2 and the
-run restarted by Ray from the sharded checkpoint it reported (Ray's storage on the local S3 server), and
-checkpoints of 2 workers resumed on 1.
+RayDDPStrategy and RayShardStrategy (FSDP stages 0-3, DeepSpeed stage 3, tensor parallel), a worker lost in
+epoch 2 and the run restarted by Ray from the sharded checkpoint it reported (Ray's storage on the local S3
+server), and checkpoints of 2 workers resumed on 1.
 Ray runs in its own process: Ray and pytest's forked ranks do not mix.
 """
 

@@ -123,6 +123,7 @@ class CheckpointHooks(EngineSteps):
             # entry, by the LightningModule's names: a sharded checkpoint keeps them in its shards and a one-file
             # one was read by the wrapped module's names. Both are in the module now, whole at stages 0-1 (the
             # stages that allow the callback).
+            assert self.lightning_module is not None
             checkpoint["state_dict"] = self.lightning_module.state_dict()
         return checkpoint
 
