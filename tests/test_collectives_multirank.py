@@ -15,7 +15,7 @@ from tests.helpers import ENGINES, loader, shard_stages_then_ddp, tiny_gpt, trai
 pytestmark = pytest.mark.multirank
 
 #: (engine, stages) -> the ShardStrategy configurations one job runs, each compared with DDPStrategy.
-STAGES = {"fsdp": (0, 1, 2, 3), "deepspeed": (1, 3)}
+STAGES = {"fsdp": (0, 1, 2, 3), "deepspeed": (1, 2, 3)}
 
 
 def _eval_gpt() -> Any:

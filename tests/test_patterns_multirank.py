@@ -108,7 +108,7 @@ def _configure_model(engine: str) -> dict[str, Any]:
         return recorder.losses
 
     out = {"ddp": fit(DDPStrategy())}
-    for stage in (0, 1, 2, 3) if engine == "fsdp" else (1, 3):
+    for stage in (0, 1, 2, 3) if engine == "fsdp" else (1, 2, 3):
         out[f"stage{stage}"] = fit(ShardStrategy(stage=stage, engine=engine))
     return out
 
