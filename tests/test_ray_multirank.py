@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import job_env
+from tests.helpers import job_env, trainer_kwargs
 
 pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install 'lightning-shard[ray]')")
 pytest.importorskip(
@@ -113,16 +113,7 @@ def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
     assert rank1["losses"] == rank0["losses"]
     L.seed_everything(0)
     model = JobModule(run_id=6)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=-1, max_epochs=2))
     data = _data().dataset
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(model, DataLoader(data, batch_size=4, sampler=sampler))

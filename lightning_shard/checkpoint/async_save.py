@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import lightning_shard.checkpoint._torch_files as torch_files
-from lightning_shard.checkpoint._commit import begin, commit, remove, tmp_path
+from lightning_shard.checkpoint._commit import begin, commit, remove, save_file, tmp_path
 from lightning_shard.checkpoint.layout import META_FILENAME
 from lightning_shard.checkpoint.storage import Location, Remote, storage_writer
 
@@ -158,12 +158,7 @@ class AsyncCheckpointer:
         if not self.is_rank0 or self._path is None:
             return
         self._meta = meta
-        if isinstance(self._path, Remote):
-            torch_files.save(meta, self._path / META_FILENAME)
-            return
-        staged = self._path / (META_FILENAME + ".tmp")
-        torch_files.save(meta, staged)
-        os.replace(staged, self._path / META_FILENAME)
+        save_file(meta, self._path / META_FILENAME)
 
     def _make_alias(self, alias: Location) -> None:
         if not self.is_rank0 or self._path is None:

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerStatus
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -118,13 +119,14 @@ class CheckpointHooks(EngineSteps):
             trainer = getattr(self.lightning_module, "_trainer", None)
             weights_only = getattr(trainer, _compat.WEIGHTS_ONLY_ATTR, None)
         checkpoint = self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)
-        if "averaging_state" in checkpoint:
-            # Lightning's WeightAveraging saved its averages as the model's state and reads them back from this
-            # entry, by the LightningModule's names: a sharded checkpoint keeps them in its shards and a one-file
-            # one was read by the wrapped module's names. Both are in the module now, whole at stages 0-1 (the
-            # stages that allow the callback).
-            assert self.lightning_module is not None
-            checkpoint["state_dict"] = self.lightning_module.state_dict()
+        module = self.lightning_module
+        assert module is not None
+        if self.config.engine == "fsdp" and not any(isinstance(p, DTensor) for p in module.parameters()):
+            # Whole parameters (stages 0-1, no tensor parallelism): the hooks that read the loaded model state
+            # (Lightning's WeightAveraging reads its averages back from it) get what DDPStrategy gives them, by
+            # the LightningModule's names. A sharded checkpoint keeps that state in its shards, and a one-file one
+            # was read by the DDP-wrapped names; either way it is in the module now.
+            checkpoint["state_dict"] = module.state_dict()
         return checkpoint
 
 

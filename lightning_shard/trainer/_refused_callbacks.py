@@ -15,8 +15,8 @@ callback                       works                          fails
 ``EMAWeightAveraging``         weights, resumed runs too      are size 0 on every rank)
 =============================  =============================  =================================================
 
-A resume reads the averages back from the checkpoint's ``state_dict`` entry: the strategy's ``load_checkpoint``
-fills it from the module (see ``trainer/_checkpoint.py``).
+A resume reads the averages back from the checkpoint's ``state_dict`` entry, which the strategy's
+``load_checkpoint`` fills wherever the parameters are whole (see ``trainer/_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -62,5 +62,4 @@ def _why_not(callback: Any, stage: int, engine: str) -> str | None:
             )
         if stage >= 2:
             return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
-        return None
     return None
