@@ -58,7 +58,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _part(root: Path, part: str) -> dict[str, Any]:
     summary = json.loads((root / f"{part}.json").read_text())
-    assert summary["error"] is None, summary["error"][-4000:]
+    log = root / "moto.log"  # the local S3 server's requests and errors, for a failure in s3:// storage
+    server = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    assert summary["error"] is None, summary["error"][-4000:] + "\n--- S3 server log ---\n" + server
     return summary
 
 

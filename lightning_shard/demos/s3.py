@@ -4,7 +4,9 @@
         trainer = L.Trainer(strategy=ShardStrategy(...), callbacks=[ModelCheckpoint(dirpath="s3://ckpt/run")])
 
 Sets ``AWS_ENDPOINT_URL`` (and test credentials) for this process and the ranks it starts, as boto users do for
-any S3-compatible endpoint, and restores the environment on exit. Needs ``pip install 'moto[server]' s3fs``.
+any S3-compatible endpoint, and restores the environment on exit. Needs
+``pip install 'moto[server]!=5.2.0,!=5.2.1' s3fs`` (those two moto releases answer CompleteMultipartUpload with
+an XML root that pyarrow's S3 client, which Ray's storage uses, rejects).
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ from lightning_shard.demos.ranks import free_port
 
 
 @contextmanager
-def local_s3_server(bucket: str = "ckpt", timeout_s: float = 30.0) -> Iterator[Any]:
-    """Start moto's S3 server, create ``bucket``; yield an ``s3fs.S3FileSystem`` on it."""
+def local_s3_server(
+    bucket: str = "ckpt", timeout_s: float = 30.0, log: str | os.PathLike[str] | None = None
+) -> Iterator[Any]:
+    """Start moto's S3 server, create ``bucket``; yield an ``s3fs.S3FileSystem`` on it.
+
+    ``log``: a file that receives the server's request log and any error it answers with (discarded if None).
+    """
     import s3fs  # optional: s3fs (the s3 extra)
 
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with open(log or os.devnull, "ab") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "testing",

@@ -207,7 +207,7 @@ def main() -> None:
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(HEALTH_CHECK_S)  # read by Ray's controller
     with contextlib.ExitStack() as stack:
         # Started before Ray, whose workers inherit its endpoint and credentials (AWS_* variables).
-        stack.enter_context(local_s3_server(bucket="ray"))
+        stack.enter_context(local_s3_server(bucket="ray", log=root / "moto.log"))
         endpoint = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
         s3 = f"s3://ray/storage?endpoint_override={endpoint}&scheme=http"
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
