@@ -1,9 +1,15 @@
 """A Hugging Face GPT-2 trained under ``ShardStrategy(stage=3)`` on 2 ranks (and under Lightning's
-``DDPStrategy``, ``ModelParallelStrategy``, and the DeepSpeed engine) exports to a directory that ``AutoModelForCausalLM.from_pretrained`` reads with logits
-identical to the trained model's; 2 ranks of a process group export the same bytes as one process."""
+``DDPStrategy``, ``ModelParallelStrategy``, and the DeepSpeed engine at ZeRO stages 1, 2 and 3) exports to a
+directory that ``AutoModelForCausalLM.from_pretrained`` reads with logits identical to the trained model's; 2
+ranks of a process group export the same bytes as one process. A DeepSpeed checkpoint's export streams as the
+others do: the tensors equal DeepSpeed's ``zero_to_fp32``, bit for bit, and no worker holds more than one output
+file's tensors at once."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +30,10 @@ pytestmark = pytest.mark.multirank
 VOCAB = 96
 
 
-def gpt2_config() -> dict[str, Any]:
+def gpt2_config(**overrides: Any) -> dict[str, Any]:
     # HF defaults stay on (dropout, use_cache): the export must not depend on them.
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32)
+    kwargs = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32)
+    config = transformers.GPT2Config(**(kwargs | overrides))
     config.bos_token_id = config.eos_token_id = 0
     return config.to_dict()
 
@@ -64,19 +71,34 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class TwoGroupLM(HFCausalLM):
+    """Two param groups (vectors without weight decay): each rank's ZeRO partitions are two flat vectors."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        vectors = [p for p in self.parameters() if p.ndim < 2]
+        matrices = [p for p in self.parameters() if p.ndim >= 2]
+        return torch.optim.AdamW([{"params": vectors, "weight_decay": 0.0}, {"params": matrices}], lr=1e-2)
+
+
+#: Odd sizes (33 = 3 heads of 11): most parameters' numel is odd, so ZeRO-3 pads their last piece.
+ODD = {"n_embd": 33, "n_head": 3}
+
+
 def _loader() -> DataLoader:
     tokens = torch.randint(0, VOCAB, (16, 16), generator=torch.Generator().manual_seed(1))
     return DataLoader(TensorDataset(tokens), batch_size=2)
 
 
-def _fit(root: str, name: str, strategy: Any) -> dict[str, torch.Tensor] | None:
+def _fit(
+    root: str, name: str, strategy: Any, model: L.LightningModule | None = None
+) -> dict[str, torch.Tensor] | None:
     trainer = L.Trainer(
         devices=2,
         strategy=strategy,
         callbacks=[ModelCheckpoint(dirpath=Path(root) / name, save_last=True)],
         **trainer_kwargs(max_steps=3, enable_checkpointing=True),
     )
-    trainer.fit(HFCausalLM(gpt2_config()), _loader())
+    trainer.fit(model or HFCausalLM(gpt2_config()), _loader())
     if isinstance(strategy, ShardStrategy) and strategy.engine_name == "deepspeed":
         return None  # ZeRO-3 partitions are DeepSpeed's: its own zero_to_fp32 gives the reference
     return full_weights(trainer)  # the trained weights, gathered at the end of fit
@@ -98,12 +120,51 @@ def _job(root: str) -> dict[str, Any]:
     return out
 
 
-def _deepspeed_job(root: str) -> None:
-    _fit(root, "deepspeed", ShardStrategy(stage=3, engine="deepspeed"))
+@contextlib.contextmanager
+def counting_reads() -> Iterator[dict[str, int]]:
+    """Through the DeepSpeed reader's two seams: the bytes it copies out of the checkpoint's files, and the most
+    bytes of the tensors it handed out that are alive at once (whoever holds them)."""
+    from lightning_shard.checkpoint import _zero_reader
+
+    counted = {"copied": 0, "peak": 0}
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+    allocate, copy = _zero_reader._allocate, _zero_reader._copy
+
+    def counting_allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = allocate(shape, dtype)
+        alive.add(tensor)
+        counted["peak"] = max(counted["peak"], sum(t.nbytes for t in alive))
+        return tensor
+
+    def counting_copy(out: torch.Tensor, source: torch.Tensor, start: int) -> None:
+        counted["copied"] += out.nbytes
+        copy(out, source, start)
+
+    _zero_reader._allocate, _zero_reader._copy = counting_allocate, counting_copy
+    try:
+        yield counted
+    finally:
+        _zero_reader._allocate, _zero_reader._copy = allocate, copy
 
 
-def _reference(weights: dict[str, torch.Tensor]) -> Any:
-    model = HFCausalLM(gpt2_config())
+def _deepspeed_job(root: str) -> dict[str, Any]:
+    from lightning_shard.checkpoint import export_hf
+
+    out: dict[str, Any] = {}
+    for stage in (1, 2, 3):
+        name = f"deepspeed{stage}"
+        _fit(root, name, ShardStrategy(stage=stage, engine="deepspeed"), TwoGroupLM(gpt2_config(**ODD)))
+        # The 2 ranks of this process group are the export's workers, each writing its share of the files.
+        with counting_reads() as counted:
+            report = export_hf(
+                Path(root) / name / "last.ckpt", Path(root) / f"{name}-grouped", max_shard_size="20KB"
+            )
+        out[name] = (report, counted)
+    return out
+
+
+def _reference(weights: dict[str, torch.Tensor], config: dict[str, Any] | None = None) -> Any:
+    model = HFCausalLM(config or gpt2_config())
     model.load_state_dict(weights)
     return model.model.eval()
 
@@ -154,10 +215,83 @@ def _check_export(root: Path, name: str, trained_weights: dict[str, torch.Tensor
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_checkpoint_exports_to_identical_logits(tmp_path):
-    run_ranks(_deepspeed_job, str(tmp_path))
-    assert (tmp_path / "deepspeed" / "last.ckpt" / "checkpoint").is_dir()
-    _check_export(tmp_path, "deepspeed", None)
+def test_deepspeed_checkpoints_export_streamed_equal_to_zero_to_fp32(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_shard.checkpoint import export_hf, load_model_weights
+
+    ranks = run_ranks(_deepspeed_job, str(tmp_path))
+    config = gpt2_config(**ODD)
+    for stage in (1, 2, 3):
+        name = f"deepspeed{stage}"
+        ckpt = tmp_path / name / "last.ckpt"
+        assert (ckpt / "checkpoint").is_dir()
+        reference = load_model_weights(ckpt)  # DeepSpeed's zero_to_fp32: the whole model at once
+        with counting_reads() as counted:  # one process: every file
+            report = export_hf(ckpt, tmp_path / f"{name}-hf", max_shard_size="20KB")
+        largest = max(
+            sum(t.nbytes for t in load_file(tmp_path / f"{name}-hf" / f).values()) for f in report.files
+        )
+        total = sum(t.nbytes for k, t in reference.items() if k != "model.lm_head.weight")
+        assert (
+            len(report.files) > 2 and report.prefix == "model." and report.dropped_tied == ["lm_head.weight"]
+        )
+        # Streaming: every byte copied once, and never more than one file's tensors alive at once.
+        assert counted["copied"] == report.workers[0].bytes_read == total
+        assert counted["peak"] == report.workers[0].max_bytes_held == largest < total / 2
+        exported: dict[str, torch.Tensor] = {}
+        for file in report.files:
+            exported |= load_file(tmp_path / f"{name}-hf" / file)
+        assert exported.keys() == {k.removeprefix("model.") for k in reference} - {"lm_head.weight"}
+        for key, value in exported.items():  # bit for bit DeepSpeed's own reconstruction
+            assert value.dtype == reference["model." + key].dtype and torch.equal(
+                value, reference["model." + key]
+            ), key
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf")
+        assert torch.equal(_logits(loaded), _logits(_reference(reference, config))), name
+
+        # 2 ranks of a process group: the files split between them, each streamed, the same bytes as one process.
+        grouped = ranks[0][name][0]
+        assert len(grouped.workers) == 2 and all(w.files for w in grouped.workers)
+        for rank, worker in enumerate(grouped.workers):
+            own = {grouped.prefix + n for f in worker.files for n in grouped.files[f]}
+            assert set(worker.keys_read) == own and worker.bytes_read == worker.bytes_assigned
+            held = ranks[rank][name][1]
+            assert held["copied"] == worker.bytes_read and held["peak"] == worker.max_bytes_held <= largest
+        for file in [*report.files, "config.json"]:
+            assert (tmp_path / f"{name}-grouped" / file).read_bytes() == (
+                tmp_path / f"{name}-hf" / file
+            ).read_bytes()
+    _check_damaged_partitions(tmp_path)
+
+
+def _check_damaged_partitions(root: Path) -> None:
+    """Partitions that do not add up (a rank file missing, a flat vector cut short) stop the export, named."""
+    import shutil
+
+    from lightning_shard.checkpoint import export_hf
+
+    damages = {  # checkpoint -> its rank-1 optimizer file removed, or its rank-0 one cut short; the message
+        "deepspeed2": ("missing", r"partitioned over 2 ranks but 1 \*_optim_states.pt files are there"),
+        "deepspeed1": ("short", r"param group 1's parameters need \d+ elements but its ZeRO partitions hold"),
+        "deepspeed3": ("short", r"its parameters need \d+ elements per rank but rank 0's partitions hold"),
+    }
+    for name, (damage, message) in damages.items():
+        copy = root / f"{name}-damaged"
+        shutil.copytree(root / name / "last.ckpt", copy)
+        (file,) = (copy / "checkpoint").glob("zero_pp_rank_0_*optim_states.pt")
+        if damage == "missing":
+            next((copy / "checkpoint").glob("zero_pp_rank_1_*optim_states.pt")).unlink()
+        else:
+            saved = torch.load(file, weights_only=False)
+            flat = saved["optimizer_state_dict"]
+            key = "fp32_flat_groups" if name == "deepspeed3" else "single_partition_of_fp32_groups"
+            flat[key][1] = flat[key][1][:-64].clone()
+            torch.save(saved, file)
+        with pytest.raises(
+            ValueError, match=rf"{name}-damaged.*\(export\(checkpoint\) / CLI CHECKPOINT\).*{message}"
+        ):
+            export_hf(copy, root / f"{name}-damaged-hf")
 
 
 def _grouped_failure_job(checkpoint: str, out: str) -> str:

@@ -7,8 +7,9 @@ of the keys asked for and no others:
   only the byte ranges of the keys in its load target (``no_dist=True``, any number of shard files);
 * one ``torch.save`` file (``checkpoint="full"``, Lightning's ``DDPStrategy``, ``consolidate`` output):
   ``torch.load(mmap=True)`` (through :mod:`._torch_files`, as every one-file read) maps the file, and only the pages of the tensors copied out are read;
-* a DeepSpeed directory: DeepSpeed's ``zero_to_fp32`` rebuilds the whole model at once, so this source holds
-  the full model in one process (the one exception to streaming).
+* a DeepSpeed directory (ZeRO stages 0-3): :class:`._zero_reader.ZeroReader` indexes where each parameter lies
+  in the ranks' flat fp32 partitions and assembles only the parameters asked for, the rank files mmap'd one at
+  a time (the tensors ``zero_to_fp32`` gives, without rebuilding the whole model as it does).
 
 Keys are the Lightning ``state_dict`` keys (``model.transformer.wte.weight``), without DCP's ``state_dict.``.
 """
@@ -24,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import lightning_shard.checkpoint._torch_files as torch_files
+from lightning_shard.checkpoint._zero_reader import ZeroReader
 from lightning_shard.checkpoint.layout import (
     META_FILENAME,
     MODEL_KEY,
@@ -34,7 +36,7 @@ from lightning_shard.checkpoint.layout import (
 )
 from lightning_shard.checkpoint.sharded import read_meta
 from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
-from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights, read_dcp_tensors
+from lightning_shard.checkpoint.weights import read_dcp_tensors
 
 SourceKind = Literal["sharded", "file", "deepspeed"]
 
@@ -68,7 +70,7 @@ class Source:
         if not self.path.exists():
             raise FileNotFoundError(f"Checkpoint {str(self.path)!r} does not exist.")
         self._file: dict[str, Any] | None = None
-        self._full: dict[str, torch.Tensor] | None = None
+        self._zero: ZeroReader | None = None
         self.kind: SourceKind
         if self.path.is_file():
             self.kind = "file"
@@ -78,6 +80,7 @@ class Source:
         elif is_deepspeed_checkpoint(self.path):
             self.kind = "deepspeed"
             self.path = local_path(str(self.path), "export(checkpoint)")
+            self._zero = ZeroReader(self.path, weights_only)
         elif is_sharded_checkpoint(self.path):
             self.kind = "sharded"
             self._reader = metadata_reader(self.path, weights_only)
@@ -97,7 +100,9 @@ class Source:
                 for key, md in self._metadata.state_dict_metadata.items()
                 if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
             }
-        state = self._file_weights() if self.kind == "file" else self._deepspeed()
+        if self._zero is not None:
+            return {k: TensorInfo(shape, dtype) for k, (shape, dtype) in self._zero.tensors().items()}
+        state = self._file_weights()
         return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in state.items() if torch.is_tensor(v)}
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -112,7 +117,9 @@ class Source:
                     self.path, self._reader, self._metadata, [prefix + key for key in keys]
                 )
             return {key: read[prefix + key] for key in keys}
-        state = self._file_weights() if self.kind == "file" else self._deepspeed()
+        if self._zero is not None:
+            return self._zero.read(keys)
+        state = self._file_weights()
         # A copy: an mmap'd tensor may be a view into a storage shared with others (tied weights), which
         # safetensors refuses, and the copy is what this worker holds, the same as a DCP read.
         return {key: state[key].detach().clone(memory_format=torch.contiguous_format) for key in keys}
@@ -124,16 +131,10 @@ class Source:
             return (self._file or {}).get("hyper_parameters")
         if self.kind == "sharded":
             return read_meta(self.path, self.weights_only).get("hyper_parameters")
-        return deepspeed_model_states(
-            local_path(str(self.path), "export(checkpoint)"), self.weights_only
-        ).get("hyper_parameters")
+        assert self._zero is not None
+        return self._zero.hyper_parameters()
 
     def _file_weights(self) -> dict[str, Any]:
         content = self._file or {}
         weights = content.get(MODEL_KEY, content)
         return weights if isinstance(weights, dict) else {}
-
-    def _deepspeed(self) -> dict[str, torch.Tensor]:
-        if self._full is None:
-            self._full = load_model_weights(self.path, self.weights_only)
-        return self._full

@@ -7,8 +7,8 @@ file's tensors from the checkpoint (:mod:`._hf_sources`: DCP with a load target 
 file's tensors, whatever the model's size. Workers are the ranks of an initialised ``torch.distributed`` group
 (``torchrun``), else ``workers`` processes spawned here, else this process. All files go to ``OUT_DIR.tmp``;
 the index and ``config.json`` are written last, then one rename makes ``OUT_DIR`` appear complete
-(:mod:`._commit`). A DeepSpeed checkpoint is the exception: DeepSpeed's ``zero_to_fp32`` rebuilds the whole
-model at once, so one process holds the full fp32 model and writes every file.
+(:mod:`._commit`). A DeepSpeed ZeRO checkpoint streams the same way: each parameter is assembled from the
+ranks' flat fp32 partitions only when its file is written (:mod:`._zero_reader`).
 """
 
 from __future__ import annotations
@@ -104,8 +104,7 @@ def export_hf(
     ``workers``: processes to spawn (ignored under an initialised process group, whose ranks are the workers).
     ``overwrite``: replace an existing ``out_dir``.
 
-    Memory: each worker holds one output file's tensors at a time (streaming), except for a DeepSpeed
-    checkpoint, which DeepSpeed's ``zero_to_fp32`` rebuilds whole in one process (rank 0 writes every file).
+    Memory: each worker holds one output file's tensors at a time (streaming), whatever the checkpoint kind.
     """
     out = local_path(out_dir, "export(out_dir)")
     size = parse_size(max_shard_size, "max_shard_size")
@@ -121,7 +120,7 @@ def export_hf(
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     require_transformers()
     config_obj, model, plan, source, error = None, None, None, None, None
-    if rank == 0:  # planning reads metadata only, except from a DeepSpeed checkpoint (read whole): once
+    if rank == 0:  # planning reads metadata only (names, shapes, dtypes): once
         try:
             source = Source(checkpoint, weights_only)
             config_obj, model, plan = _plan(source, config, prefix, size, dtype, architecture)
@@ -132,7 +131,7 @@ def export_hf(
     if error is not None:
         raise error
     assert plan is not None
-    if not grouped and workers > 1 and plan.kind != "deepspeed" and len(plan.files) > 1:
+    if not grouped and workers > 1 and len(plan.files) > 1:
         return _spawned(plan, out, min(workers, len(plan.files)), config_obj, model)
     barrier = dist.barrier if grouped else (lambda: None)
     tmp = _commit.begin(out, rank == 0, barrier)
@@ -200,11 +199,8 @@ def _write_on_every_rank(
 
 
 def assign(plan: ExportPlan, world: int) -> list[list[str]]:
-    """The output files of each worker: largest first to the least loaded (a DeepSpeed source: all to rank 0)."""
+    """The output files of each worker: largest first to the least loaded."""
     shares: list[list[str]] = [[] for _ in range(world)]
-    if plan.kind == "deepspeed":
-        shares[0] = list(plan.files)
-        return shares
     load = [0] * world
     for name in sorted(plan.files, key=lambda f: (-plan.file_bytes(f), f)):
         i = load.index(min(load))
@@ -219,11 +215,11 @@ def write_files(
     """One worker: each file's tensors read, cast, written and freed before the next file is read."""
     from safetensors.torch import save_file  # optional: safetensors (the hf extra)
 
+    if names and source is None:  # opening it (imports, index) is set-up, before the baseline
+        source = Source(plan.checkpoint, plan.weights_only)
     report = WorkerReport(rank=rank, files=list(names), baseline_rss_bytes=rss()[0])
     report.bytes_assigned = sum(plan.file_bytes(name) for name in names)
     start = time.perf_counter()
-    if names and source is None:
-        source = Source(plan.checkpoint, plan.weights_only)
     for name in names:
         entries = plan.files[name]
         assert source is not None
@@ -232,17 +228,17 @@ def write_files(
         held = sum(t.nbytes for t in read.values())
         report.bytes_read += held
         report.max_bytes_held = max(report.max_bytes_held, held)
-        tensors: dict[str, torch.Tensor] = {}
-        for t in entries:
-            value = read.pop(t.key)  # the cast copy replaces the read one, so two copies never pile up
-            if plan.dtype is not None and value.is_floating_point():
-                value = value.to(plan.dtype)
-            tensors[t.name] = value
+        # The cast copy replaces the read one, so two copies never pile up; no name outlives the file.
+        tensors = {t.name: _cast(read.pop(t.key), plan.dtype) for t in entries}
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         del tensors, read
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = rss()[1]
     return report
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return value.to(dtype) if dtype is not None and value.is_floating_point() else value
 
 
 def rss() -> tuple[int, int]:
