@@ -2,10 +2,13 @@
 
 The order is torchtitan's: tensor parallelism splits the layers, activation checkpointing wraps each
 block, then each block's forward is compiled (inside the checkpoint: :func:`compile_blocks`), and only
-then does ``fully_shard`` register FSDP2's hooks on the block. The hooks run in ``nn.Module.__call__``, around ``forward``: compiling ``forward`` (an
-instance attribute, as activation checkpointing does it; see :mod:`.activation_checkpointing.wrap`)
-keeps them outside the compiled graph, keeps parameter names and the module tree unchanged (checkpoints
-still match), and lets every block of one class share one graph: their parameters are graph inputs.
+then does ``fully_shard`` register FSDP2's hooks on the block (or ``deepspeed.initialize`` DeepSpeed's). The
+hooks run in ``nn.Module.__call__``, around ``forward``: compiling ``forward`` (an instance attribute, as
+activation checkpointing does it; see :mod:`.activation_checkpointing.wrap`) keeps them outside the compiled
+graph, keeps parameter names and the module tree unchanged (checkpoints still match), and lets every block of
+one class share one graph: their parameters are graph inputs. DeepSpeed's ZeRO-3 hooks every submodule, not
+only the blocks; there each block is made a ZeRO-3 "leaf" (its parameters gathered by its own hook, none on
+its layers), so nothing inside the compiled graph gathers or releases a parameter.
 
 Recompiles are counted from dynamo's frame counter around each block call (:func:`recompiles`): one
 graph per block class and grad mode is compiled on the first step, and a recompile after it is a bug (a guard on something that changes each
@@ -18,7 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import types
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_shard._compat import dynamo_skips_for_dispatch_mode
+from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.activation_checkpointing.wrap import CheckpointedForward
 
 log = logging.getLogger(__name__)
@@ -53,13 +57,20 @@ def check_compile(value: Any, engine: str) -> dict[str, Any] | None:
             f"ShardStrategy(compile={value!r}) must be True, False or a dict of torch.compile keyword"
             " arguments, e.g. compile=True or compile={'fullgraph': True}."
         )
-    if engine == "deepspeed":
-        raise ValueError(
-            "ShardStrategy(compile=...) compiles each block before FSDP2 shards it, which the DeepSpeed engine"
-            " (chosen by engine= or by NVMe / optimizer-only CPU offload) does not do. Use engine='fsdp', or"
-            " compile=False."
-        )
     return kwargs
+
+
+def blocks_to_compile(module: nn.Module, shard_modules: Any, flag: dict[str, Any]) -> list[nn.Module]:
+    """The repeated blocks ``compile=`` compiles: the classes ``shard_modules`` names, or the detected ones."""
+    classes = shard_modules or detect_block_classes(module)
+    blocks = find_blocks(module, classes) if classes else []
+    if not blocks:
+        raise ValueError(
+            f"ShardStrategy(compile={flag or True}) compiles each repeated block, and"
+            f" {type(module).__name__} has none (no nn.ModuleList / nn.Sequential of two or more modules of"
+            " one class). Name the block classes with shard_modules=[...], or compile=False."
+        )
+    return blocks
 
 
 class CompiledForward:
@@ -100,13 +111,23 @@ def is_compiled(block: nn.Module) -> bool:
     )
 
 
-def compile_blocks(blocks: Iterable[nn.Module], kwargs: dict[str, Any]) -> int:
+def compile_blocks(blocks: Sequence[nn.Module], kwargs: dict[str, Any], zero3_leaves: bool = False) -> int:
     """Compile each block's forward in place (once per block); returns how many were compiled now.
 
     A checkpointed block keeps ``torch.utils.checkpoint`` outside and its forward compiled inside (dynamo
     does not trace the checkpoint wrapper's context functions): the recompute in backward runs the same
     compiled graph.
+
+    ``zero3_leaves`` (DeepSpeed ZeRO-3, before ``deepspeed.initialize``): each block is made a ZeRO-3 leaf,
+    gathered whole by its own hook, with no hooks on its layers. Without it DeepSpeed's per-layer hooks
+    (``torch.compiler.disable``) would break the graph at every layer: the same losses, but on a 2-block GPT
+    80 frames compiled instead of 1 and 40 s of compiling instead of 1.5 s (CPU).
     """
+    if zero3_leaves:
+        from deepspeed.utils import set_z3_leaf_module  # optional: DeepSpeed
+
+        for block in blocks:
+            set_z3_leaf_module(block, True)
     count = 0
     for block in blocks:
         if is_compiled(block):

@@ -182,8 +182,8 @@ class ShardFlags:
     compile: bool | dict[str, Any] = _flag(
         False,
         "``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor parallelism"
-        " and activation checkpointing, before FSDP2 shards it.",
-        "compile.py, engines/fsdp.py",
+        " and activation checkpointing, before FSDP2 shards it (or DeepSpeed registers its hooks).",
+        "compile.py, engines/fsdp.py, engines/deepspeed.py",
     )
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,

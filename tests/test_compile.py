@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_shard import ShardStrategy
-from lightning_shard.compile import CompiledForward, is_compiled
+from lightning_shard.compile import CompiledForward, blocks_to_compile, is_compiled
 from tests.helpers import LossRecorder, tiny_gpt, token_dataset, trainer_kwargs
 
 COMPILE_RTOL = 1e-5
@@ -139,10 +139,18 @@ def test_bad_compile_flags_are_refused(value, message):
         ShardStrategy(compile=value)
 
 
-def test_compile_on_the_deepspeed_engine_is_refused():
+def test_compile_is_taken_by_the_deepspeed_engine():
     pytest.importorskip("deepspeed")
-    with pytest.raises(ValueError, match=r"compile=\.\.\.\) compiles each block before FSDP2.*engine='fsdp'"):
-        ShardStrategy(stage=2, engine="deepspeed", compile=True)
+    # Compiled on 2 ranks at ZeRO-1 and ZeRO-3 in tests/test_compile_multirank.py.
+    assert ShardStrategy(stage=2, engine="deepspeed", compile=True).config.compile == {}
+
+
+def test_a_model_without_repeated_blocks_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(
+        ValueError, match=r"compile=True\) compiles each repeated block.*shard_modules=\[\.\.\.\]"
+    ):
+        blocks_to_compile(model, None, {})
 
 
 def test_a_model_compiled_whole_is_refused_before_it_runs():

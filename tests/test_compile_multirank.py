@@ -1,8 +1,10 @@
 """``compile=...`` on 2 CPU ranks: ZeRO-1, ZeRO-3 (inductor), tensor parallelism and pipeline stages follow
-the same run in eager mode, with no recompiles after the first step."""
+the same run in eager mode, with no recompiles after the first step; so do DeepSpeed's ZeRO-1 and ZeRO-3
+(each block compiled inside DeepSpeed's parameter-gathering hooks)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import lightning as L
@@ -28,6 +30,11 @@ CASES = {
     ),
     "pp2": dict(stage=3, pipeline_parallel_size=2, microbatches=2, compile={"backend": "aot_eager"}),
 }
+if (
+    importlib.util.find_spec("deepspeed") is not None
+):  # the [deepspeed] extra; test_compile.py says if it is absent
+    CASES["deepspeed zero1"] = dict(stage=1, engine="deepspeed", compile={"backend": "aot_eager"})
+    CASES["deepspeed zero3 inductor"] = dict(stage=3, engine="deepspeed", compile=True)
 
 
 def _fit(flags: dict[str, Any]) -> dict[str, Any]:

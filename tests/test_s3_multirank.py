@@ -1,7 +1,9 @@
 """Checkpoints on an object store through fsspec (``s3fs``), against a real S3 server started here (``moto`` in
 server mode on localhost; the endpoint comes from ``AWS_ENDPOINT_URL``, as boto users set it): a 2-rank async save
 lands in the bucket, resumes on 1 rank exactly, consolidates and loads with ``load_from_checkpoint``; a job
-killed mid-save leaves no checkpoint a reader would take for complete, and the previous one resumes."""
+killed mid-save leaves no checkpoint a reader would take for complete, and the previous one resumes. The DeepSpeed
+engine (ZeRO-3) saves there too (each rank's files staged locally, uploaded, then the marker) and resumes exactly;
+a save that fails midway leaves nothing under its name."""
 
 from __future__ import annotations
 
@@ -108,8 +110,20 @@ def test_async_save_on_two_ranks_resume_on_one_consolidate_and_load(s3: Any, tmp
         torch.testing.assert_close(tensor, consolidated[name], rtol=0, atol=0)
 
 
-def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_to_resume(s3: Any) -> None:
-    reference, _ = run_ranks(_fit, 2, 6, "s3://ckpt/other")[0]
+def _uninterrupted_runs(local_dir: str) -> dict[str, Any]:
+    """The 2-rank runs the tests below compare with, in one job (one start of the ranks): the FSDP engine's
+    uninterrupted run, and the DeepSpeed engine's runs (:func:`_deepspeed_job`)."""
+    return {"fsdp": _fit(2, 6, "s3://ckpt/other")[0], "deepspeed": _deepspeed_job(local_dir)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    local_dir = tmp_path_factory.mktemp("deepspeed")
+    return {**run_ranks(_uninterrupted_runs, str(local_dir))[0], "local_dir": local_dir}
+
+
+def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_to_resume(s3: Any, two_rank_runs: Any) -> None:
+    reference = two_rank_runs["fsdp"]
     with pytest.raises(Exception, match="exit code|exited"):
         run_ranks(_fit, 2, 6, "s3://ckpt/kill", kill_at=4)
     names = sorted(p.rsplit("/", 1)[1] for p in s3.ls("ckpt/kill", refresh=True))
@@ -133,6 +147,67 @@ def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_to_resume(s3: Any)
     # last.ckpt, as with Lightning's save_last="link", and the callback versions a name it did not write.)
     newest = newest_last(Remote("s3://ckpt/kill"))
     assert newest is not None and s3.cat(newest.key) == ALIAS_HEADER + b"epoch=2-step=6.ckpt"
+
+
+def _deepspeed_fit(max_steps: int, dirpath: str, resume: str | None = None) -> list[float]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(stage=3, engine="deepspeed"),
+        callbacks=[recorder, ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)],
+        **trainer_kwargs(max_steps=max_steps, enable_checkpointing=True),
+    )
+    trainer.fit(SGDGPT(), loader(4, n=N), ckpt_path=resume)
+    return recorder.losses
+
+
+def _deepspeed_job(local_dir: str) -> dict[str, Any]:
+    from lightning_shard.checkpoint import staged
+
+    reference = _deepspeed_fit(4, "s3://ckpt/ds")
+    resumed = _deepspeed_fit(4, local_dir, "s3://ckpt/ds/epoch=0-step=2.ckpt")
+    upload = staged.upload
+
+    def failing(local: Path, path: Any) -> None:  # one file stored, then the connection drops
+        first = next(f for f in sorted(local.rglob("*")) if f.is_file())
+        path.fs.put_file(str(first), (path / first.relative_to(local).as_posix()).key)
+        raise ConnectionError("upload failed")
+
+    staged.upload = failing  # type: ignore[assignment]
+    try:
+        _deepspeed_fit(2, "s3://ckpt/ds")
+        failed = "no error"
+    except ConnectionError as error:
+        failed = str(error)
+    finally:
+        staged.upload = upload  # type: ignore[assignment]
+    return {"reference": reference, "resumed": resumed, "failed": failed}
+
+
+def test_deepspeed_saves_to_s3_resumes_exactly_and_a_failed_save_leaves_nothing(
+    s3: Any, two_rank_runs: Any
+) -> None:
+    out, tmp_path = two_rank_runs["deepspeed"], two_rank_runs["local_dir"]
+    torch.testing.assert_close(out["resumed"], out["reference"][2:], rtol=1e-5, atol=0)
+    assert out["failed"] == "upload failed"
+    step4 = "ckpt/ds/epoch=1-step=4.ckpt"
+    top = sorted(p.rsplit("/", 1)[1] for p in s3.ls(step4, refresh=True))
+    assert {"checkpoint", "latest", "meta.pt"} <= set(top), top
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{step4}/checkpoint", refresh=True)) == [
+        f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in (0, 1) for kind in ("model", "optim")
+    ]  # each rank's own files, uploaded by that rank
+    # The failed save (ModelCheckpoint versions the name it finds taken) stored a file but never its marker:
+    # not a checkpoint. The one saved before under the first name is untouched.
+    failed = "ckpt/ds/epoch=0-step=2-v1.ckpt"
+    assert s3.exists(f"{failed}/checkpoint") and not s3.exists(f"{failed}/meta.pt")
+    assert s3.exists("ckpt/ds/epoch=0-step=2.ckpt/meta.pt")
+    with pytest.raises(ValueError, match=r"step=2-v1.ckpt' is not a complete checkpoint \(missing meta.pt"):
+        load_model_weights(f"s3://{failed}")
+    # Read back from the bucket in one process: the resumed run's local step-4 checkpoint, the same weights.
+    remote, local = load_model_weights(f"s3://{step4}"), load_model_weights(tmp_path / "epoch=1-step=4.ckpt")
+    assert remote.keys() == local.keys()
+    for name, tensor in local.items():
+        torch.testing.assert_close(remote[name], tensor, rtol=1e-6, atol=0)
 
 
 def test_sync_saves_and_ckpt_path_last(s3: Any) -> None:

@@ -211,6 +211,7 @@ def test_a_checkpoint_url_is_resolved_or_refused_never_turned_into_a_local_path(
     ):
         resolve("ftp://host/run/last.ckpt", "ckpt_path")
     with pytest.raises(
-        ValueError, match=r"dirpath='s3://bucket/run': this writer needs a local .*engine='fsdp'"
+        ValueError,
+        match=r"dirpath='s3://bucket/run': this writer needs a local .*bucket mounted as a directory",
     ):
         local_path("s3://bucket/run", "dirpath")

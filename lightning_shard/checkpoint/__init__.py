@@ -8,6 +8,7 @@ Layout of a sharded checkpoint ``<name>.ckpt/`` (a directory):
 
 Modules: :mod:`._commit` (``NAME.tmp`` -> rename, used by every writer), :mod:`.layout` (names,
 kinds), :mod:`.sharded` (DCP save / load into any layout), :mod:`.async_save` (background writes),
+:mod:`.staged` (DeepSpeed's local files on an object store: staged, uploaded, committed by a marker),
 :mod:`.weights` (full weights in one process), :mod:`.lightning_format` (any of them as the dict
 ``LightningModule.load_from_checkpoint`` reads, and ``consolidate``; importing this package lets that classmethod
 read our directories), :mod:`._dcp_metadata` and :mod:`._pickles` (``weights_only`` for the pickles DCP and

@@ -17,14 +17,14 @@ DEEPSPEED_TAG = "checkpoint"
 
 
 def local_path(path: str | os.PathLike, flag: str) -> Path:
-    """``path`` as a local (or mounted) file-system path; any URL is refused with the fix (where the object
-    stores :func:`~lightning_shard.checkpoint.storage.resolve` accepts are not wanted, as for DeepSpeed)."""
+    """``path`` as a local (or mounted) file-system path; any URL is refused with the fix (for writers that open
+    files by local path only, where the object stores :func:`~lightning_shard.checkpoint.storage.resolve` accepts
+    are not wanted)."""
     location = resolve(path, flag)
     if isinstance(location, Remote):
         raise ValueError(
-            f"{flag}={str(path)!r}: this writer needs a local or mounted path (DeepSpeed writes its files itself)."
-            " Use a local path or the bucket mounted as a directory, or ShardStrategy(engine='fsdp'), which writes"
-            " to object stores."
+            f"{flag}={str(path)!r}: this writer needs a local or mounted path (it opens its files by local path)."
+            " Use a local path or the bucket mounted as a directory."
         )
     return location
 

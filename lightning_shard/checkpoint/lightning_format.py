@@ -33,8 +33,8 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
-    local_path,
 )
+from lightning_shard.checkpoint.staged import downloaded
 from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, resolve
 from lightning_shard.checkpoint.weights import deepspeed_model_states, load_model_weights
 
@@ -104,7 +104,10 @@ def load_lightning_checkpoint(
             )
         weights = entries.pop(MODEL_KEY)
     elif is_deepspeed_checkpoint(path):
-        states = deepspeed_model_states(local_path(str(path), "path"), weights_only)
+        if isinstance(path, Remote):  # DeepSpeed's files are read from local paths: downloaded once
+            with downloaded(path, every_rank=False) as local:
+                return load_lightning_checkpoint(local, map_location, weights_only)
+        states = deepspeed_model_states(path, weights_only)
         entries = {k: v for k, v in states.items() if k not in DEEPSPEED_ENTRIES}
         weights = load_model_weights(path, weights_only)
     elif is_sharded_checkpoint(path):

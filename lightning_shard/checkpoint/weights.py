@@ -28,9 +28,9 @@ from lightning_shard.checkpoint.layout import (
     MODEL_KEY,
     is_deepspeed_checkpoint,
     is_sharded_checkpoint,
-    local_path,
     metadata_reader,
 )
+from lightning_shard.checkpoint.staged import downloaded
 from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, resolve
 
 
@@ -49,7 +49,10 @@ def load_model_weights(
         checkpoint = torch_files.load(path, weights_only)
         return checkpoint.get(MODEL_KEY, checkpoint)
     if is_deepspeed_checkpoint(path):
-        return _deepspeed_weights(local_path(str(path), "path"), weights_only)
+        if isinstance(path, Remote):  # DeepSpeed's reader opens local files only
+            with downloaded(path, every_rank=False) as local:
+                return _deepspeed_weights(local, weights_only)
+        return _deepspeed_weights(path, weights_only)
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{str(path)!r} is a directory but not a sharded checkpoint (no .metadata / {META_FILENAME});"

@@ -33,8 +33,10 @@ from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
 from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
-from lightning_shard.checkpoint.storage import Location
+from lightning_shard.checkpoint.staged import downloaded, write_staged
+from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
+from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
     DeepSpeedPrecision,
@@ -55,6 +57,8 @@ class DeepSpeedEngine(Engine):
 
     owns_step = True
     precision_class = DeepSpeedPrecision
+    compile_baseline: int | None = None
+    """``compile=...``: dynamo's recompile count when the blocks were set up."""
 
     @classmethod
     def check_precision(cls, stage: int | str, precision: Any) -> None:
@@ -106,12 +110,21 @@ class DeepSpeedEngine(Engine):
                 type(module).__name__,
             )
         setattr(module, _SET_UP, True)
+        if self.config.compile is not None:
+            self._compile(module)
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
             import deepspeed  # optional: DeepSpeed
 
             deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
             _rebind_partitioned(module)
         return module.to(self.run.device)
+
+    def _compile(self, module: nn.Module) -> None:
+        """Each repeated block's forward compiled before ``deepspeed.initialize`` registers its hooks."""
+        blocks = blocks_to_compile(module, self.config.shard_modules, self.config.compile or {})
+        if compile_blocks(blocks, self.config.compile or {}, zero3_leaves=self.stage == 3):
+            log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), self.config.compile)
+        self.compile_baseline = recompiles()
 
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
@@ -254,23 +267,31 @@ class DeepSpeedEngine(Engine):
         path: Location,
         exception: bool = False,
     ) -> None:
-        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename).
+        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename; on an object
+        store, each rank's files staged locally and uploaded, then the marker: :mod:`~lightning_shard.checkpoint.staged`).
 
         DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes
         nothing."""
-        path = ckpt.local_path(str(path), "save_checkpoint(filepath)")  # DeepSpeed writes local files only
         checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
         checkpoint.pop("optimizer_states", None)
 
         def write(tmp: Path) -> None:
             model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
 
-        ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
+        if isinstance(path, Remote):  # DeepSpeed writes local files only
+            write_staged(path, write, self.run.is_global_zero, self.run.barrier)
+        else:
+            ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
 
     def load_checkpoint(
         self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        path = ckpt.local_path(str(path), "ckpt_path")  # DeepSpeed reads local files only
+        if isinstance(path, Remote):  # DeepSpeed reads local files only
+            with downloaded(path) as local:
+                return self._load_local(model, local, weights_only)
+        return self._load_local(model, path, weights_only)
+
+    def _load_local(self, model: nn.Module, path: Path, weights_only: bool | None) -> dict[str, Any]:
         ckpt.check_deepspeed_checkpoint(path)
         if weights_only is not False:
             # DeepSpeed unpickles its files with weights_only=False: their globals are checked first.

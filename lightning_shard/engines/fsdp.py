@@ -39,11 +39,10 @@ import lightning_shard.engines._zero as _zero
 from lightning_shard import _compat, _ddp, compression
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
-from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
 from lightning_shard.checkpoint.storage import Location, Remote
-from lightning_shard.compile import compile_blocks, recompiles
+from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
 from lightning_shard.engines._ddp import wrap as wrap_ddp
@@ -120,14 +119,7 @@ class FSDPEngine(Engine):
 
     def _compile(self, module: nn.Module) -> None:
         """Each repeated block compiled after tensor parallelism and checkpointing, before sharding."""
-        classes = self.config.shard_modules or detect_block_classes(module)
-        blocks = find_blocks(module, classes) if classes else []
-        if not blocks:
-            raise ValueError(
-                f"ShardStrategy(compile={self.config.compile or True}) compiles each repeated block, and"
-                f" {type(module).__name__} has none (no nn.ModuleList / nn.Sequential of two or more modules of"
-                " one class). Name the block classes with shard_modules=[...], or compile=False."
-            )
+        blocks = blocks_to_compile(module, self.config.shard_modules, self.config.compile or {})
         if compile_blocks(blocks, self.config.compile or {}):
             log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), self.config.compile)
         self.compile_baseline = recompiles()

@@ -44,7 +44,6 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
-from lightning_shard.checkpoint import local_path
 from lightning_shard.checkpoint.storage import resolve
 from lightning_shard.trainer._refused_callbacks import check_callbacks
 
@@ -70,8 +69,7 @@ def adapt(trainer: Any, strategy: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             # Before the first step, not at the first save an hour in.
-            where = local_path if engine == "deepspeed" else resolve
-            where(callback.dirpath, f"{type(callback).__name__}(dirpath)")
+            resolve(callback.dirpath, f"{type(callback).__name__}(dirpath)")
         if isinstance(callback, ModelSummary):
             use_shard_summary(callback)
         elif isinstance(callback, LearningRateFinder) and engine == "deepspeed":
