@@ -14,6 +14,10 @@ from torch import nn
 
 ModuleClassSpec = type[nn.Module] | str
 
+#: Set on a later pipeline stage's copy of a parameter several stages use (a head tied to the embedding):
+#: the global gradient norm counts the first stage's copy only (``pipeline.runner``, ``parallel.clip``).
+TIED_COPY = "_lightning_shard_tied_copy"
+
 
 def import_module_class(path: str, flag: str) -> type[nn.Module]:
     """Import ``"package.module.ClassName"`` and check it is an ``nn.Module`` subclass."""

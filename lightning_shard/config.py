@@ -134,7 +134,6 @@ class ShardConfig(ShardFlags):
             stages_per_rank,
             pipeline_split_points,
             engine_name,
-            stage,
             checkpoint,
         )
         values.update(

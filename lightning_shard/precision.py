@@ -95,7 +95,7 @@ class ShardPrecision(Precision):
         """Bind to the run's device; creates the globally-agreeing loss scaler for ``16-mixed``."""
         self.device_type = device.type
         if self.precision == "16-mixed" and self.scaler is None:
-            self.scaler = ShardedGradScaler(device=device.type, process_group=process_group)
+            self.scaler = _Scaler(device=device.type, process_group=process_group)
 
     def fsdp_mp_policy(self) -> Any:
         """The FSDP2 ``MixedPrecisionPolicy`` for this precision."""
@@ -183,6 +183,18 @@ class ShardPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+class _Scaler(ShardedGradScaler):
+    """torch's sharded loss scaler (its inf check all-reduced over every rank, so every pipeline stage and
+    data-parallel rank skips the same steps) that first points a ZeRO-1 optimizer's stand-ins for DTensor
+    parameters at their gradients (``engines/_zero.py``): what it unscales and checks are the parameters'."""
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        attach = getattr(optimizer, "attach_grads", None)
+        if attach is not None:
+            attach()
+        super().unscale_(optimizer)
 
 
 def to_shard_precision(plugin: Precision) -> ShardPrecision:

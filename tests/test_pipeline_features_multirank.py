@@ -1,6 +1,9 @@
 """Pipeline stages (2 CPU ranks, stage 3) composed with the strategy's other features.
 
-Activation checkpointing and bf16-mixed follow one process; a non-finite loss in the last stage skips the
+A GPT whose head is tied to its input embedding (the demo's default) follows one process, ``trainer.test``
+included: both stages keep a copy and sum its gradient each step. 16-mixed's loss scaler follows one
+process's, and an inf in one stage's gradients skips the step on both. Activation checkpointing and
+bf16-mixed follow one process; a non-finite loss in the last stage skips the
 same optimizer step on both stages; MFUMonitor counts each stage's FLOPs and each batch's tokens once; a
 model built on the meta device is initialised stage by stage with its ``init_weights``; ``stage="auto"``
 plans for the stages and runs.
@@ -14,13 +17,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_shard import ShardStrategy
+from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard.callbacks import MFUMonitor
 from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import LossRecorder, full_weights, tiny_gpt, trainer_kwargs
 from tests.test_parity_multirank import CLIP
-from tests.test_pipeline_multirank import BATCH, PipeGPT, _check, _fit, _loader, _model
+from tests.test_pipeline_multirank import BATCH, WEIGHT_ATOL, PipeGPT, _check, _fit, _loader, _model
 
 pytestmark = pytest.mark.multirank
 
@@ -42,22 +46,93 @@ class PoisonedGPT(PipeGPT):
         return loss * self.factor if self.trainer.global_step == POISONED_STEP else loss
 
 
-def _poisoned_fit(factor: float, world: int, **flags: Any) -> dict[str, Any]:
-    recorder = LossRecorder()
-    trainer = L.Trainer(
+def _trainer(world: int, flags: dict[str, Any], callbacks: list[Any], **kwargs: Any) -> L.Trainer:
+    """3 optimizer steps of accumulation 2 with clipping: under ShardStrategy(**flags), or in one process."""
+    return L.Trainer(
         devices=world,
         strategy=ShardStrategy(**flags) if world > 1 else "auto",
-        callbacks=[recorder],
+        callbacks=callbacks,
+        **kwargs,
         **trainer_kwargs(
             max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"
         ),
     )
+
+
+def _poisoned_fit(factor: float, world: int, **flags: Any) -> dict[str, Any]:
+    recorder = LossRecorder()
+    trainer = _trainer(world, flags, [recorder])
     torch.manual_seed(0)
     model = PoisonedGPT(factor, **_hparams())
     model.load_state_dict(_model("sgd", 2).state_dict())
     trainer.fit(model, _loader(world, flags.get("pipeline_parallel_size", 1), BATCH))
     skipped = getattr(trainer.strategy, "skipped_steps", 0)
     return {"losses": recorder.losses, "weights": full_weights(trainer), "skipped": skipped}
+
+
+def _tied_fit(optimizer: str, world: int, **flags: Any) -> dict[str, Any]:
+    """The GPT with its head tied to the token embedding: fit (accumulation 2, clipping), then test."""
+    recorder = LossRecorder()
+    trainer = _trainer(world, flags, [recorder])
+    hparams = dict(tiny_gpt(n_layers=2).hparams)
+    assert hparams["tie_embeddings"]
+    torch.manual_seed(0)
+    model = PipeGPT(optimizer, **hparams)
+    pp = flags.get("pipeline_parallel_size", 1)
+    trainer.fit(model, _loader(world, pp, BATCH))
+    out = {"losses": recorder.losses, "weights": full_weights(trainer)}
+    out["test_loss"] = trainer.test(model, _loader(world, pp, BATCH), verbose=False)[0]["test_loss"]
+    return out
+
+
+INF_STEP = 1
+INF_PARAM = "model.tok_emb.weight"  # on the first stage only
+
+
+class Fp16Probe(L.Callback):
+    """Puts an inf into one first-stage gradient at one step; records each step's loss scale, and whether
+    this rank's parameters changed in each optimizer step."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+        self.changed: list[bool] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = dict(pl_module.named_parameters())
+        if trainer.global_step == INF_STEP and INF_PARAM in params:
+            _local(params[INF_PARAM].grad).fill_(math.inf)
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self._before = [_local(p).clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        before, self._before = getattr(self, "_before", None), None
+        if before is not None:  # this batch ended an accumulation window: an optimizer step (or its skip)
+            self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+            after = [_local(p) for p in pl_module.parameters()]  # this rank's shards: no collective
+            self.changed.append(any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+def _fp16_fit(world: int, **flags: Any) -> dict[str, Any]:
+    recorder, probe = LossRecorder(), Fp16Probe()
+    if world > 1:
+        plugin = ShardPrecision("16-mixed")
+    else:  # one process: Lightning's own 16-mixed with torch's scaler (on CPU Lightning would pick bf16)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = _trainer(world, flags, [recorder, probe], plugins=[plugin])
+    trainer.fit(_model("sgd", 2), _loader(world, flags.get("pipeline_parallel_size", 1), BATCH))
+    return {
+        "losses": recorder.losses,
+        "weights": full_weights(trainer),
+        "scales": probe.scales,
+        "changed": probe.changed,
+    }
 
 
 def _hparams() -> dict[str, Any]:
@@ -103,6 +178,9 @@ def _mfu_fit(world: int, **flags: Any) -> dict[str, Any]:
 
 def _features() -> dict[str, Any]:
     return {
+        "tied sgd": _tied_fit("sgd", 2, **PP2),
+        "tied adamw": _tied_fit("adamw", 2, **PP2),
+        "16-mixed": _fp16_fit(2, **PP2),
         "selective checkpointing": _fit("sgd", 2, activation_checkpointing="selective", **PP2),
         "full checkpointing": _fit("adamw", 2, activation_checkpointing="full", **PP2),
         "bf16-mixed": _bf16_fit(2, **PP2),
@@ -135,6 +213,38 @@ def ranks() -> list[dict[str, Any]]:
 def _merged(ranks: list[dict[str, Any]], name: str) -> dict[str, torch.Tensor]:
     assert not set(ranks[0][name]["weights"]) & set(ranks[1][name]["weights"])
     return {**ranks[0][name]["weights"], **ranks[1][name]["weights"]}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_head_tied_to_the_embedding_follows_one_process_and_tests(ranks, optimizer):
+    name = f"tied {optimizer}"
+    expected = _tied_fit(optimizer, 1)
+    first, last = (rank[name]["weights"] for rank in ranks)
+    # each stage keeps its copy under the name its module gives it; the checkpoint's keys are one process's
+    assert "model.tok_emb.weight" in first and "model.head.weight" in last
+    merged = _merged(ranks, name)
+    assert sorted(merged) == sorted(expected["weights"])
+    torch.testing.assert_close(first["model.tok_emb.weight"], last["model.head.weight"], rtol=0, atol=0)
+    for rank in ranks:
+        torch.testing.assert_close(rank[name]["losses"], expected["losses"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(rank[name]["test_loss"], expected["test_loss"], rtol=1e-5, atol=0)
+    for key, value in expected["weights"].items():
+        torch.testing.assert_close(
+            merged[key], value, rtol=1e-5, atol=WEIGHT_ATOL[optimizer], msg=lambda m, key=key: f"{key}: {m}"
+        )
+
+
+def test_16_mixed_scales_as_one_process_and_an_inf_in_one_stage_skips_the_step_on_both(ranks):
+    expected = _fp16_fit(1)
+    assert expected["scales"] == [65536.0, 32768.0, 32768.0]  # the inf at step 1 halved the scale
+    assert expected["changed"] == [True, False, True]
+    merged = _merged(ranks, "16-mixed")
+    for rank in ranks:  # the inf was on the first stage's gradient only: the last stage skipped too
+        assert rank["16-mixed"]["scales"] == expected["scales"]
+        assert rank["16-mixed"]["changed"] == expected["changed"]
+        torch.testing.assert_close(rank["16-mixed"]["losses"], expected["losses"], **BF16_TOL)
+    for key, value in expected["weights"].items():
+        torch.testing.assert_close(merged[key], value, **BF16_TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.parametrize(

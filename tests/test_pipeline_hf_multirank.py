@@ -1,6 +1,7 @@
 """A Hugging Face model split by its own pipeline plan: a tiny random ``LlamaForCausalLM`` (built here, its
 defaults left on: ``use_cache``) in 2 stages of ``ShardStrategy(stage=3, pipeline_parallel_size=2)``
-follows the single-process run (SGD and AdamW, accumulation 2, clipping on), and validates after fit.
+follows the single-process run (SGD and AdamW, accumulation 2, clipping on), and validates after fit; so does
+the same model with its head tied to the input embedding (``tie_word_embeddings=True``).
 
 The LightningModule's forward is the one a user has without stages (``self.model(input_ids=x).logits``):
 the strategy cuts ``model.layers`` and puts identities where a stage does not run the embeddings, the
@@ -44,7 +45,7 @@ class PipeLlama(CausalLM):
         self.log("val_loss", self.pipeline_loss(self(x), y))
 
 
-def _fit(optimizer: str, world: int) -> dict[str, Any]:
+def _fit(optimizer: str, world: int, tied: bool = False) -> dict[str, Any]:
     recorder = LossRecorder()
     pp = 2 if world > 1 else 1
     strategy = ShardStrategy(stage=3, pipeline_parallel_size=2, microbatches=2) if world > 1 else "auto"
@@ -57,7 +58,7 @@ def _fit(optimizer: str, world: int) -> dict[str, Any]:
         ),
     )
     torch.manual_seed(0)
-    config = tiny_llama_config(num_hidden_layers=4, tie_word_embeddings=False, max_position_embeddings=SEQ)
+    config = tiny_llama_config(num_hidden_layers=4, tie_word_embeddings=tied, max_position_embeddings=SEQ)
     model = PipeLlama(config, optimizer)
     trainer.fit(model, _loader(world, pp, BATCH))
     val = trainer.validate(model, _loader(world, pp, BATCH), verbose=False)[0]["val_loss"]
@@ -65,22 +66,28 @@ def _fit(optimizer: str, world: int) -> dict[str, Any]:
 
 
 def _both(world: int) -> dict[str, Any]:
-    return {optimizer: _fit(optimizer, world) for optimizer in ("sgd", "adamw")}
+    runs = {optimizer: _fit(optimizer, world) for optimizer in ("sgd", "adamw")}
+    # the head tied to the input embedding (as in Llama 3.2 1B, Qwen2 0.5B, SmolLM): a copy on each stage
+    return {**runs, "tied sgd": _fit("sgd", world, tied=True)}
 
 
 def test_hf_llama_splits_by_its_own_plan_and_follows_one_process():
     ranks = run_ranks(_both, 2, world_size=2)
     expected = _both(1)
-    for optimizer, reference in expected.items():
-        stage0, stage1 = (rank[optimizer]["weights"] for rank in ranks)
+    for run, reference in expected.items():
+        optimizer = run.removeprefix("tied ")
+        stage0, stage1 = (rank[run]["weights"] for rank in ranks)
         # the plan's placement: embeddings and the first half of the layers, then the rest and the head
         assert "model.model.embed_tokens.weight" in stage0 and "model.lm_head.weight" in stage1
         assert {k.split(".")[3] for k in stage0 if ".layers." in k} == {"0", "1"}
         assert {k.split(".")[3] for k in stage1 if ".layers." in k} == {"2", "3"}
         merged = {**stage0, **stage1}
         assert sorted(merged) == sorted(reference["weights"])
+        if run.startswith("tied"):
+            tied = stage0["model.model.embed_tokens.weight"], stage1["model.lm_head.weight"]
+            torch.testing.assert_close(*tied, rtol=0, atol=0)  # the copies stayed one parameter
         for rank in ranks:
-            result = rank[optimizer]
+            result = rank[run]
             assert len(result["losses"]) == 6
             torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
             torch.testing.assert_close(result["val_loss"], reference["val_loss"], rtol=1e-5, atol=0)

@@ -32,7 +32,7 @@ WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-4}
 
 
 class PipeGPT(GPTModule):
-    """The tiny GPT, untied (stages cannot share a parameter), with SGD or AdamW and an evaluation loss."""
+    """The tiny GPT (untied unless ``tie_embeddings=True`` is passed) with SGD or AdamW and evaluation losses."""
 
     def __init__(self, optimizer: str = "adamw", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -46,6 +46,10 @@ class PipeGPT(GPTModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", self.pipeline_loss(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", self.pipeline_loss(self(x), y))
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])
@@ -88,6 +92,9 @@ def _fit(
     trainer.fit(model, _loader(world, pp, BATCH // dp, tp))
     out: dict[str, Any] = {"losses": recorder.losses, "weights": full_weights(trainer)}
     out["stage"] = trainer.strategy.config.stage if world > 1 else None  # as planned for stage="auto"
+    optimizer_ = trainer.strategy.optimizers[0]
+    # the parameters this rank keeps optimizer state for (ZeRO-1: its partition's only), of its stage's
+    out["state_of"] = (len(getattr(optimizer_, "optim", optimizer_).state), len(list(model.parameters())))
     if validate:
         loader = _loader(world, pp, BATCH // dp, tp)
         out["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
@@ -193,6 +200,25 @@ def test_two_stages_by_two_data_parallel_ranks_follow_one_process(flags):
     assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
     for rank in ranks:
         _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}", n_layers=flags.get("n_layers", 2))
+
+
+def _pp2_dp2_zero1() -> dict[str, Any]:
+    return {
+        optimizer: _fit(optimizer, 4, False, stage=1, pipeline_parallel_size=2, microbatches=2)
+        for optimizer in ("sgd", "adamw")
+    }
+
+
+def test_zero1_in_two_stages_by_two_data_parallel_ranks_follows_one_process():
+    ranks = run_ranks(_pp2_dp2_zero1, world_size=4)
+    for optimizer in ("sgd", "adamw"):
+        merged = {**ranks[0][optimizer]["weights"], **ranks[2][optimizer]["weights"]}
+        for rank in ranks:
+            _check({**rank[optimizer], "weights": merged}, optimizer, f"pp2 x dp2, stage 1, {optimizer}")
+    # ZeRO-1 acted: each data-parallel rank of a stage keeps AdamW's state for its own part of the stage
+    for first, second in ((0, 1), (2, 3)):
+        (held_a, total), (held_b, _) = ranks[first]["adamw"]["state_of"], ranks[second]["adamw"]["state_of"]
+        assert 0 < held_a < total and 0 < held_b < total and held_a + held_b == total
 
 
 def _pp2_tp2() -> dict[str, Any]:

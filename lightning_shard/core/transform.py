@@ -12,8 +12,10 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
    The FSDP engine applies, in this order, tensor parallelism, ``torch.compile`` per block, FSDP2 (or DDP /
    ZeRO-1 at stages 0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine
    hands the module to ``deepspeed.initialize``;
-4. the pipeline stage runner, over the set-up stage;
-5. ``init_weights``: the full weights read into the shards, each rank its own slices;
+4. the pipeline stage runner, over the set-up stage (with the groups that sum a tied parameter's gradient
+   between the stages holding a copy);
+5. ``init_weights``: the full weights read into the shards, each rank its own slices; a tied parameter's
+   copies then take the first stage's values;
 6. a barrier, and the ``timeout`` flag's limit on every group the engine made.
 
 Steps 1, 2 and 5 run once per module (a later Trainer call, or a second front door, finds the module
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shard._modules import detect_block_classes
@@ -37,6 +40,7 @@ from lightning_shard.core.process_groups import ProcessGroups
 from lightning_shard.engines import Engine, engine_class
 from lightning_shard.parallel import clip_grad_norm_
 from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
+from lightning_shard.pipeline.runner import Tie
 from lightning_shard.pipeline.split import StagePlan
 from lightning_shard.precision import ShardPrecision
 
@@ -107,10 +111,12 @@ def prepare(
     if rank is not None:
         assert plan is not None and loss_fn is not None, "pipeline stages need the loss of one microbatch"
         pipeline = _stage_runner(model, config, rank, processes, loss_fn, plan)
-    # 5. init_weights.
+    # 5. init_weights; then the copies of a parameter tied across stages take the first stage's values.
     if config.init_weights is not None and getattr(module, _WEIGHTS, None) != config.init_weights:
         engine.load_full_weights(module, config.init_weights)
         setattr(module, _WEIGHTS, config.init_weights)
+    if pipeline is not None:
+        pipeline.sync_tied()
     # 6. Every rank set up; the engine's groups under the timeout flag.
     processes.barrier()
     processes.apply_timeout()
@@ -163,9 +169,10 @@ def _stage_runner(
 ) -> StageRunner:
     """The runner of pipeline rank ``rank``'s stages of the set-up ``model`` under the flags' schedule."""
     size, per_rank = config.pipeline_parallel_size, config.stages_per_rank
+    own = stages_of_rank(rank, size, per_rank)
     return StageRunner(
         model,
-        stages_of_rank(rank, size, per_rank),
+        own,
         size * per_rank,
         processes.root_device,
         processes.device_mesh["pp"].get_group(),
@@ -173,4 +180,31 @@ def _stage_runner(
         config.microbatches,
         loss_fn,
         plan,
+        _ties(processes.device_mesh, plan, size, own),
     )
+
+
+def _ties(mesh: Any, plan: StagePlan, size: int, own: tuple[int, ...]) -> tuple[Tie, ...]:
+    """This rank's copies of parameters tied across stages, each with the group of the ranks holding a copy
+    (at this rank's place on the other mesh dimensions), as Megatron sums the embedding's gradient between
+    its first and last stage. Every rank creates every group, in the same order."""
+    if not plan.tied:
+        return ()
+    me = dist.get_rank()
+    names = list(mesh.mesh_dim_names)
+    pipelines = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, size).tolist()  # each: its stages' ranks
+    ties = []
+    for uses in plan.tied:
+        holders = sorted({stage % size for _, stage in uses})  # the pipeline ranks holding a copy
+        if len(holders) < 2:
+            continue  # one rank runs every stage that uses it: one parameter there
+        mine = next((name for name, stage in uses if stage in own), None)
+        group, src = None, -1
+        for ranks in pipelines:
+            members = [ranks[h] for h in holders]
+            made = mesh["pp"].get_group() if len(holders) == size else dist.new_group(members)
+            if me in members:
+                group, src = made, members[0]
+        if mine is not None:
+            ties.append(Tie(mine, group, src, first=me == src))
+    return tuple(ties)

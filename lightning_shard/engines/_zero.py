@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_shard.engines._shm import shared_memory_group
@@ -25,6 +26,29 @@ _NAMED: dict[type, type[ZeroRedundancyOptimizer]] = {}
 
 
 class _ZeroOptimizer(ZeroRedundancyOptimizer):
+    #: ``(stand-in, DTensor parameter)`` pairs where the parameters are DTensors (see :func:`shard_optimizer`).
+    _stand_ins: list[tuple[nn.Parameter, DTensor]] = []
+
+    def attach_grads(self) -> None:
+        """Point each stand-in at its DTensor parameter's local tensor and gradient (both shared, not copied):
+        what the loss scaler unscales, what clipping scales and what the step updates is the parameter's."""
+        for stand_in, param in self._stand_ins:
+            stand_in.data = param.to_local().detach()
+            grad = param.grad
+            stand_in.grad = None if grad is None else grad.to_local()  # type: ignore[attr-defined]
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        self.attach_grads()
+        return super().step(closure, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for _, param in self._stand_ins:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
     def _sync_params(self) -> None:
         """After a step each rank sends its updated partition to the others (torch: one broadcast per rank's
         bucket); among CPU ranks on one host through shared memory (``engines/_shm.py``)."""
@@ -56,20 +80,38 @@ def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
 
 
 def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyOptimizer:
-    """A ZeroRedundancyOptimizer of the same class, hyperparameters and param groups as ``optimizer``."""
+    """A ZeroRedundancyOptimizer of the same class, hyperparameters and param groups as ``optimizer``.
+
+    DTensor parameters (replicated over ``process_group`` by FSDP2's ``replicate()``: pipeline stages,
+    tensor parallelism), which ZeroRedundancyOptimizer cannot broadcast, are each given to it as a plain
+    stand-in that shares the parameter's local tensor and gradient (:meth:`_ZeroOptimizer.attach_grads`).
+    """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     groups = [dict(group) for group in optimizer.param_groups]
-    return named_zero_class(type(optimizer))(
+    stand_ins: list[tuple[nn.Parameter, DTensor]] = []
+    for group in groups:
+        params = []
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                stand_in = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                stand_ins.append((stand_in, p))
+                p = stand_in
+            params.append(p)
+        group["params"] = params
+    zero = named_zero_class(type(optimizer))(
         groups,
         optimizer_class=type(optimizer),
         process_group=process_group,
         # After each step every rank sends its updated parameters to the others: from one flat bucket
         # per rank instead of one broadcast per parameter (the profile of a 6-block GPT on gloo: 77
-        # broadcasts and their waits, a quarter of the step, became 2).
-        parameters_as_bucket_view=True,
+        # broadcasts and their waits, a quarter of the step, became 2). Stand-ins keep their own storage
+        # (a bucket would move them off the parameters' tensors): one broadcast per parameter.
+        parameters_as_bucket_view=not stand_ins,
         **_constructor_defaults(optimizer),
     )
+    zero._stand_ins = stand_ins  # type: ignore[attr-defined]
+    return zero
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
@@ -81,9 +123,11 @@ def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+def _param_names(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[nn.Parameter, str]:
     inner = getattr(model, "module", model)
-    return {p: name for name, p in inner.named_parameters()}
+    names = {p: name for name, p in inner.named_parameters()}
+    names.update({stand_in: names[p] for stand_in, p in getattr(zero, "_stand_ins", ())})
+    return names
 
 
 def _global_groups(zero: ZeroRedundancyOptimizer, names: dict[nn.Parameter, str]) -> list[dict[str, Any]]:
@@ -100,7 +144,7 @@ def _local_params(zero: ZeroRedundancyOptimizer) -> list[nn.Parameter]:
 def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[str, Any]:
     """``{"state": {name: {...}}, "param_groups": [...]}``: this rank's entries, or every rank's if ``full``."""
     assert isinstance(zero, ZeroRedundancyOptimizer)
-    names = _param_names(model)
+    names = _param_names(model, zero)
     state = {
         names[p]: {
             k: (v.detach().cpu() if full and torch.is_tensor(v) else v)
@@ -119,7 +163,7 @@ def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[
 def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[str, Any]:
     """Empty tensors, shaped from the checkpoint's metadata, for the entries this rank owns."""
     assert isinstance(zero, ZeroRedundancyOptimizer)
-    names = _param_names(model)
+    names = _param_names(model, zero)
     entries = meta.state_dict_metadata
     state: dict[str, dict[str, Any]] = {}
     for p in _local_params(zero):
@@ -141,7 +185,7 @@ def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[
 def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dict[str, Any]) -> None:
     """Install the entries this rank owns and every group's hyperparameters (from any stage's checkpoint)."""
     assert isinstance(zero, ZeroRedundancyOptimizer)
-    names = _param_names(model)
+    names = _param_names(model, zero)
     saved = state_dict["state"]
     for p in _local_params(zero):
         entry = saved.get(names[p])

@@ -39,15 +39,6 @@ class FabricPipeline:
         """This rank's pipeline stage (``None`` without pipeline stages)."""
         return pipeline_rank(self.device_mesh)
 
-    def _check_pipeline_precision(self) -> None:
-        """Before set-up cuts the module to this rank's stages: the loss scaler cannot follow the schedule."""
-        if self.pipeline_stage is not None and self.precision.shard.scaler is not None:
-            raise ValueError(
-                f"ShardFabricStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) cannot scale"
-                " the loss for Fabric(precision='16-mixed'): the schedule's per-microbatch backward would skip the"
-                " loss scaler. Use precision='bf16-mixed', or pipeline_parallel_size=1."
-            )
-
     def _call_loss(self, output: Any, target: Any) -> Tensor:
         assert self._loss_fn is not None
         return self._loss_fn(output, target)
@@ -69,6 +60,11 @@ class FabricPipeline:
                 accumulation); the returned loss is not scaled.
         """
         runner = self._stage_runner(model, "pipeline_step", loss_fn)
+        scaler = (
+            self.precision.shard.scaler
+        )  # 16-mixed: the schedule's backward scales as fabric.backward would
+        if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
+            scale *= float(scaler.scale(torch.ones((), device=self.root_device)))
         with self.precision.forward_context():
             return runner.train_step(_as_tuple(inputs), target, float(scale))
 

@@ -144,7 +144,6 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
                 "ShardFabricStrategy sets up one model per Fabric: fabric.setup was called with a second one"
                 f" ({type(module).__name__}). Put the models in one nn.Module, or use one Fabric per model."
             )
-        self._check_pipeline_precision()
         prepared = transform.prepare(
             module,
             self.config,

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_shard._modules import TIED_COPY
+
 
 def _shards(tensor: Tensor) -> int:
     if not isinstance(tensor, DTensor):
@@ -36,7 +38,9 @@ def grad_norm(parameters: Iterable[Tensor], pipeline_stages: int = 1) -> Tensor:
     total: Tensor | None = None
     for p in parameters:
         g = p.grad
-        if g is None:
+        if g is None or getattr(
+            p, TIED_COPY, False
+        ):  # a tied parameter's later copy: counted on its first stage
             continue
         local = g.to_local() if isinstance(g, DTensor) else g
         squares = local.detach().double().pow(2).sum() * (_shards(g) * pipeline_stages / world)

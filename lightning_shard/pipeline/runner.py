@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lightning_shard._modules import TIED_COPY
 from lightning_shard.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
 from lightning_shard.pipeline.split import StagePlan, set_placeholder
 
@@ -94,6 +97,7 @@ class StageRunner:
         microbatches: int,
         loss_fn: LossFn,
         plan: StagePlan | None = None,
+        ties: tuple[Tie, ...] = (),
     ) -> None:
         if len(stages) == 1:
             self.stages = [_Stage(module, stages[0], num_stages, device, group=group)]
@@ -117,6 +121,10 @@ class StageRunner:
         self._group = group
         self._device = device
         self._last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
+        self._ties = ties
+        for tie in ties:
+            if not tie.first:  # the first stage's copy counts in the global gradient norm, the others not
+                setattr(module.get_parameter(tie.name), TIED_COPY, True)
 
     @property
     def is_first(self) -> bool:
@@ -138,11 +146,28 @@ class StageRunner:
         losses: list[Tensor] = []
         self._scale = loss_scale / self.microbatches
         args = inputs if self.is_first else ()
+        tied = [self._module.get_parameter(tie.name) for tie in self._ties]
+        held = [p.grad for p in tied]  # what earlier batches left (accumulation) is summed once, already
+        for p in tied:
+            p.grad = None
         with _weight_gradients_deferred(self._module) if self._splits_backward else nullcontext():
             self.schedule.step(
                 *args, target=target if self.is_last else None, losses=losses, return_outputs=False
             )
+        for tie, p, grad in zip(self._ties, tied, held, strict=True):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(_local(p.grad), group=tie.group)  # the copies' gradients, summed
+            if grad is not None:
+                p.grad.add_(grad)
         return self._broadcast_loss(losses, loss_scale)
+
+    def sync_tied(self) -> None:
+        """Every copy of a tied parameter takes the first stage's values (after initialisation, which may
+        have drawn each stage's copy from its own random stream)."""
+        with torch.no_grad():
+            for tie in self._ties:
+                dist.broadcast(_local(self._module.get_parameter(tie.name)), src=tie.src, group=tie.group)
 
     def eval_step(self, inputs: tuple[Any, ...], target: Any) -> Tensor:
         """Forward only; returns the batch's loss (the mean over microbatches) on every stage."""
@@ -172,6 +197,24 @@ class StageRunner:
         loss = loss.to(self._device)
         dist.broadcast(loss, src=self._last_rank, group=self._group)
         return loss
+
+
+@dataclass(frozen=True)
+class Tie:
+    """This rank's copy of a parameter that several stages use (:attr:`StagePlan.tied`)."""
+
+    name: str
+    """The parameter's name on this rank's module."""
+    group: Any
+    """The ranks holding a copy, at this rank's place on the other mesh dimensions."""
+    src: int
+    """The global rank holding the first stage's copy."""
+    first: bool
+    """Whether this rank holds the first stage's copy."""
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class _Stage(PipelineStage):
@@ -250,4 +293,4 @@ def check_microbatches(inputs: tuple[Any, ...], target: Any, microbatches: int) 
         )
 
 
-__all__ = ["StageRunner", "StageView", "check_microbatches"]
+__all__ = ["StageRunner", "StageView", "Tie", "check_microbatches"]

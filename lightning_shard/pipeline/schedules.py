@@ -57,7 +57,6 @@ def check_pipeline_flags(
     stages_per_rank: Any,
     split_points: Any,
     engine: str,
-    stage: Any = 3,
     checkpoint: str = "sharded",
 ) -> tuple[int, int, tuple[str, ...] | None]:
     """Check the pipeline flags against each other; returns ``(microbatches, stages_per_rank, split_points)``
@@ -71,7 +70,7 @@ def check_pipeline_flags(
     stages_per_rank = _check_schedule(schedule, stages_per_rank, size)
     microbatches = _check_microbatches(size, microbatches, split_points)
     _check_rounds(schedule, size, microbatches)
-    _check_combinations(size, engine, stage, checkpoint)
+    _check_combinations(size, engine, checkpoint)
     return microbatches, stages_per_rank, _check_split_points(split_points, size * stages_per_rank)
 
 
@@ -136,21 +135,14 @@ def _check_microbatches(size: int, microbatches: Any, split_points: Any) -> int:
     return microbatches
 
 
-def _check_combinations(size: int, engine: str, stage: Any, checkpoint: str) -> None:
-    """The pipeline flag against the engine, the ZeRO stage and the checkpoint mode."""
+def _check_combinations(size: int, engine: str, checkpoint: str) -> None:
+    """The pipeline flag against the engine and the checkpoint mode."""
     if size > 1 and engine == "deepspeed":
         raise ValueError(
             f"ShardStrategy(pipeline_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
             " engine= or by NVMe / optimizer-only CPU offload): DeepSpeed's PipelineModule needs the model"
             " rewritten as a list of layers. Use engine='fsdp' (torch's pipeline schedules with FSDP2 in each"
             " stage), or pipeline_parallel_size=1."
-        )
-    if size > 1 and stage == 1:
-        raise ValueError(
-            f"ShardStrategy(stage=1, pipeline_parallel_size={size}) cannot run: the schedule's backward per"
-            " microbatch needs FSDP2's data parallelism in each stage, and ZeroRedundancyOptimizer does not take"
-            " its (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded, the same all-reduce"
-            " volume as stage 1), stage=3 or stage=0."
         )
     if size > 1 and checkpoint == "full":
         raise ValueError(

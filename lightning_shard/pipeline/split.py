@@ -18,7 +18,7 @@ states go in where the token ids did; a stage before the last returns its hidden
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from torch import nn
@@ -41,6 +41,9 @@ class StagePlan:
     placeholder: str = "none"
     """What replaces another stage's module: ``"none"`` (the forward skips it) or ``"identity"`` (a Hugging
     Face model's forward runs it: :func:`hf_pipeline_plan`)."""
+    tied: tuple[tuple[tuple[str, int], ...], ...] = ()
+    """Parameters used on several stages (a head tied to the input embedding), each as ``(name, stage)``
+    pairs, first stage first: every stage keeps its copy and the copies' gradients are summed each step."""
 
     @property
     def num_stages(self) -> int:
@@ -83,8 +86,7 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
         tail = sum(_numel(model.get_submodule(m)) for m in after)
         starts = _balance(costs, num_stages, head, tail)
     plan = StagePlan(name, starts, blocks, before, after, "identity" if hf is not None else "none")
-    _check_no_shared_parameters(model, plan)
-    return plan
+    return replace(plan, tied=_shared_parameters(model, plan))
 
 
 def keep_stage(model: nn.Module, plan: StagePlan, stage: int | tuple[int, ...]) -> None:
@@ -228,22 +230,17 @@ def _balance(costs: list[int], stages: int, head: int, tail: int) -> tuple[int, 
     return tuple(reversed(starts))
 
 
-def _check_no_shared_parameters(model: nn.Module, plan: StagePlan) -> None:
-    """A parameter used on two stages (a head tied to the input embedding) would need its gradients summed
-    across them; refuse it with the fix."""
+def _shared_parameters(model: nn.Module, plan: StagePlan) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """The parameters that more than one stage uses, each as its ``(name, stage)`` uses, by stage."""
     pieces = [(m, 0) for m in plan.before] + [(m, plan.num_stages - 1) for m in plan.after]
     pieces += [(f"{plan.container}.{i}", s) for s in range(plan.num_stages) for i in plan.blocks_of(s)]
-    owner: dict[int, tuple[str, int]] = {}
+    uses: dict[int, dict[int, str]] = {}
     for name, stage in pieces:
-        for param_name, param in model.get_submodule(name).named_parameters():
-            first = owner.setdefault(id(param), (f"{name}.{param_name}", stage))
-            if first[1] != stage:
-                raise ValueError(
-                    f"ShardStrategy(pipeline_parallel_size={plan.num_stages}): {first[0]} (stage {first[1]}) and"
-                    f" {name}.{param_name} (stage {stage}) are one tied parameter, which pipeline stages cannot"
-                    " share. Untie them (e.g. GPTModule(tie_embeddings=False), Hugging Face"
-                    " tie_word_embeddings=False), or use pipeline_parallel_size=1."
-                )
+        for param_name, param in model.get_submodule(name).named_parameters(remove_duplicate=False):
+            uses.setdefault(id(param), {}).setdefault(stage, f"{name}.{param_name}")
+    return tuple(
+        tuple((n, s) for s, n in sorted(by_stage.items())) for by_stage in uses.values() if len(by_stage) > 1
+    )
 
 
 def _numel(module: nn.Module) -> int:

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.trainer import call
 from torch import Tensor
 from typing_extensions import override
@@ -93,12 +94,6 @@ class PipelineSteps(EngineSteps):
         if self.pipeline_stage is None:
             return
         check_contract(self._lm, stages)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"ShardStrategy(pipeline_parallel_size={stages}) cannot scale the loss for Trainer(precision="
-                "'16-mixed'): the schedule's per-microbatch backward would skip the loss scaler. Use"
-                " precision='bf16-mixed', or pipeline_parallel_size=1."
-            )
 
     @override
     @guarded
@@ -108,9 +103,13 @@ class PipelineSteps(EngineSteps):
         self._preemption.agree(self.root_device)
         module = self._lm
         inputs, target = split_batch(module, args[0])
-        # Lightning divides the returned loss by accumulate_grad_batches before its backward; the schedule
-        # runs that backward itself, so it applies the same factor.
+        # Lightning divides the returned loss by accumulate_grad_batches before its backward, and 16-mixed's
+        # loss scaler multiplies it by its scale; the schedule runs that backward itself, so it applies both
+        # (the scaler then unscales, checks for infs over every stage's gradients and steps as usual).
         scale = 1.0 / module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
+            scale *= float(scaler.scale(torch.ones((), device=self.root_device)))
         with self.precision_plugin.train_step_context():
             loss = self._train_schedule(inputs, target, scale)
         module.log("train_loss", loss, prog_bar=True)
