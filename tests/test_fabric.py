@@ -12,7 +12,7 @@ from lightning_shard import ShardFabricStrategy, ShardStrategy
 from lightning_shard.core.registry import NAMES
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._precision import FabricShardPrecision
-from lightning_shard.fabric._setup import rebind
+from lightning_shard.fabric._setup import parameter_names, rebind
 
 _NAMES = [
     pytest.param(name, marks=pytest.mark.deepspeed) if name == "zero2_offload" else name
@@ -136,7 +136,7 @@ def test_deepspeed_engine_needs_joint_setup_and_clips_inside_its_step():
 def test_an_optimizer_built_before_setup_is_pointed_at_the_new_parameters_by_name():
     before, after = nn.Linear(2, 2), nn.Linear(2, 2)
     optimizer = torch.optim.SGD(before.parameters(), lr=0.1)
-    names = {id(p): name for name, p in before.named_parameters()}
+    names = parameter_names(before)
     rebind(optimizer, names, dict(after.named_parameters()))
     assert optimizer.param_groups[0]["params"] == list(after.parameters())
     with pytest.raises(ValueError, match="not the model's"):
@@ -154,6 +154,13 @@ def test_an_optimizer_built_before_setup_is_pointed_at_the_new_parameters_by_nam
         rebind(partial, names, kept)
     rebind(partial, names, kept, cut=True)
     assert partial.param_groups[0]["params"] == [after.weight]
+    # A tied parameter is found under whichever of its names the stage kept (the head's, on the last stage).
+    tied = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    last = nn.Sequential(nn.Identity(), nn.Linear(2, 4, bias=False))
+    shared = torch.optim.SGD(tied.parameters(), lr=0.1)
+    rebind(shared, parameter_names(tied), dict(last.named_parameters()), cut=True)
+    assert shared.param_groups[0]["params"] == [last[1].weight]
 
 
 def test_a_fabric_state_maps_onto_the_trainer_checkpoint_layout():

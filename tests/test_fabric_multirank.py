@@ -417,13 +417,14 @@ def test_the_fabric_example_runs_on_two_ranks_and_exits_zero(tmp_path):
 
 def _pipeline_job(root: str) -> dict:
     """Pipeline stages in a Fabric loop (fabric.strategy.pipeline_step) and under the Trainer, same flags and
-    data; then the Fabric's checkpoint read by the Trainer without stages."""
+    data, the GPT's head tied to its embedding (a copy on each stage); then the Fabric's checkpoint read by
+    the Trainer without stages."""
     from tests.test_pipeline_multirank import BATCH, _fit, _loader, _model
 
     flags = dict(stage=3, pipeline_parallel_size=2, pipeline_schedule="1f1b", microbatches=2)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardFabricStrategy(**flags))  # type: ignore[arg-type]
     fabric.launch()
-    model = _model("sgd", 2)
+    model = _model("sgd", 2, tied=True)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
     losses, accumulate = [], 2
     for i, (x, y) in enumerate(_loader(2, 2, BATCH)):
@@ -447,9 +448,9 @@ def _pipeline_job(root: str) -> dict:
     path = Path(root) / "pp.ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer})
     stage_weights = full_model_weights(fabric.strategy._model)
-    trainer_run = _fit("sgd", 2, **flags)
+    trainer_run = _fit("sgd", 2, tied=True, **flags)
     trainer = L.Trainer(devices=2, strategy=ShardStrategy(stage=3), **trainer_kwargs(limit_val_batches=1))
-    module = _model("sgd", 2)
+    module = _model("sgd", 2, tied=True)
     module.validation_step = lambda batch, batch_idx: None  # type: ignore[method-assign]
     trainer.validate(module, loader(4), ckpt_path=path)
     return {

@@ -118,7 +118,7 @@ def test_balanced_split_and_pruning():
 
 
 def test_hugging_face_model_splits_by_its_own_plan():
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     from tests.helpers import CausalLM, tiny_llama_config
 
     torch.manual_seed(0)
@@ -142,6 +142,13 @@ def test_hugging_face_model_splits_by_its_own_plan():
     hidden = first.model(input_ids=ids).logits
     assert hidden.shape == (2, 8, 32)
     torch.testing.assert_close(last.model(input_ids=hidden).logits, expected, rtol=0, atol=0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    )
+    with pytest.raises(
+        ValueError, match=r"cannot split GPT2LMHeadModel: its\s+Hugging Face config carries no"
+    ):
+        plan_stages(gpt2, 2)
     # tied (the config's default): each stage keeps its copy, first stage first
     tied = plan_stages(CausalLM(tiny_llama_config(num_hidden_layers=4)), 2).tied
     assert tied == ((("model.model.embed_tokens.weight", 0), ("model.lm_head.weight", 1)),)

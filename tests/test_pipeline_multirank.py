@@ -55,8 +55,8 @@ class PipeGPT(GPTModule):
         return self(batch[0])
 
 
-def _model(optimizer: str, n_layers: int) -> PipeGPT:
-    reference = tiny_gpt(tie_embeddings=False, n_layers=n_layers)  # the helpers' sizes and seed
+def _model(optimizer: str, n_layers: int, tied: bool = False) -> PipeGPT:
+    reference = tiny_gpt(tie_embeddings=tied, n_layers=n_layers)  # the helpers' sizes and seed
     torch.manual_seed(0)
     return PipeGPT(optimizer, **dict(reference.hparams))
 
@@ -74,7 +74,12 @@ def _loader(world: int, pp: int, batch: int, tp: int = 1) -> DataLoader:
 
 
 def _fit(
-    optimizer: str, world: int = 1, validate: bool = False, n_layers: int = 2, **flags: Any
+    optimizer: str,
+    world: int = 1,
+    validate: bool = False,
+    n_layers: int = 2,
+    tied: bool = False,
+    **flags: Any,
 ) -> dict[str, Any]:
     recorder = LossRecorder()
     pp = flags.get("pipeline_parallel_size", 1)
@@ -86,7 +91,7 @@ def _fit(
             max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"
         ),
     )
-    model = _model(optimizer, n_layers)
+    model = _model(optimizer, n_layers, tied)
     tp = flags.get("tensor_parallel_size", 1)
     dp = world // (pp * tp)
     trainer.fit(model, _loader(world, pp, BATCH // dp, tp))

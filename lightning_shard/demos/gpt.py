@@ -136,7 +136,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        if tie_embeddings:  # pipeline stages cannot share a parameter: untie it to cut the model
+        if tie_embeddings:  # pipeline stages keep a copy each, their gradients summed (docs/pipeline.md)
             self.head.weight = self.tok_emb.weight
         self.n_layers = n_layers
         self.init_weights()

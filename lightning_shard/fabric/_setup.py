@@ -9,11 +9,21 @@ from torch.optim import Optimizer
 from lightning_shard.config import ShardConfig
 
 
+def parameter_names(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``module``: a tied one has several (a head tied to the embedding),
+    of which a pipeline stage may keep only one."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 def rebind(
-    optimizer: Optimizer, names: dict[int, str], live: dict[str, nn.Parameter], cut: bool = False
+    optimizer: Optimizer, names: dict[int, list[str]], live: dict[str, nn.Parameter], cut: bool = False
 ) -> None:
     """Point ``optimizer`` at the parameters that replaced the ones it was built with (FSDP2 shards,
-    meta parameters allocated), by name; ``cut``: drop those the module no longer has (other stages')."""
+    meta parameters allocated), by name (:func:`parameter_names`); ``cut``: drop those the module no longer
+    has (other stages')."""
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
@@ -28,11 +38,12 @@ def rebind(
                     " to the unsharded parameters. Set it up before the first step, or load its state after setup"
                     " with fabric.load."
                 )
-            if names[id(p)] in live:
-                params.append(live[names[id(p)]])
+            kept = [name for name in names[id(p)] if name in live]
+            if kept:
+                params.append(live[kept[0]])
             elif not cut:
                 raise ValueError(
-                    f"ShardFabricStrategy: the parameter {names[id(p)]!r} the optimizer holds is gone from the"
+                    f"ShardFabricStrategy: the parameter {names[id(p)][0]!r} the optimizer holds is gone from the"
                     " model after set-up. Build the optimizer from model.parameters() of the model passed with it."
                 )
         group["params"] = params

@@ -30,7 +30,7 @@ from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._pipeline import FabricPipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
 from lightning_shard.fabric._processes import FabricProcesses
-from lightning_shard.fabric._setup import rebind, refuse_trainer_only
+from lightning_shard.fabric._setup import parameter_names, rebind, refuse_trainer_only
 from lightning_shard.flags import args_doc, bind, takes_flags
 from lightning_shard.parallel import clip_grad_norm_
 
@@ -162,7 +162,7 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
         # The optimizers were made before sharding: they hold the parameters as they were built.
-        names = {id(p): name for name, p in module.named_parameters()}
+        names = parameter_names(module)
         model = self.setup_module(module)
         live = dict(module.named_parameters())
         for optimizer in optimizers:

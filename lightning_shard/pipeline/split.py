@@ -61,6 +61,8 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
     """Cut ``model`` into ``num_stages`` stages: at ``split_points`` (the blocks that start stages 2, 3, ...),
     or balanced by parameter count (first stage + embeddings, last stage + head)."""
     hf = hf_pipeline_plan(model)
+    if hf is None:
+        _check_hf_has_plan(model, num_stages)
     found = largest_block_container(model)
     if hf is not None:
         found = (hf[0], cast(nn.ModuleList, model.get_submodule(hf[0])))
@@ -141,6 +143,23 @@ def hf_pipeline_plan(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str,
         _check_plan_covers(model, _join(base_path, lists[0]), before + after)
         return _join(base_path, lists[0]), before, after
     return None
+
+
+def _check_hf_has_plan(model: nn.Module, num_stages: int) -> None:
+    """A Hugging Face model without a pipeline plan: its forward cannot run a stage (it neither skips the
+    other stages' modules nor takes hidden states in place of token ids)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(getattr(module, "base_model_prefix", None), str) and hasattr(
+            config, "base_model_pp_plan"
+        ):
+            raise ValueError(
+                f"ShardStrategy(pipeline_parallel_size={num_stages}) cannot split {type(module).__name__}: its"
+                " Hugging Face config carries no pipeline plan (config.base_model_pp_plan), so its forward cannot"
+                " run one stage. Use a model whose config has one (Llama, Mistral, Qwen2, Gemma, ...), write"
+                " the network as a module that follows docs/pipeline.md's contract, or use"
+                " pipeline_parallel_size=1."
+            )
 
 
 def _check_plan_covers(model: nn.Module, container: str, placed: tuple[str, ...]) -> None:
