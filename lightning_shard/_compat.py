@@ -382,3 +382,27 @@ def resolve_last_checkpoint(resolver: Callable[[Any], str | None]) -> bool:
     setattr(_parse_ckpt_path, _LAST_ATTR, True)
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
     return True
+
+
+def ring_attention_module(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """``module`` (one ``F.scaled_dot_product_attention`` call on ``(b, h, t, d)``) run as torch's ring
+    attention over ``mesh``: its inputs become DTensors sharded along the sequence, its output local again.
+
+    Private (torch 2.7+, ``torch.distributed.tensor.experimental._attention``): ``_ContextParallel`` and
+    ``_enable_context_parallel_dispatcher``; the public ``context_parallel`` context manager shards buffers
+    itself, where the strategy has already cut the batch. CUDA SDPA kernels only.
+    """
+    try:  # private torch API, may move between releases
+        from torch.distributed.tensor.experimental._attention import (
+            _ContextParallel,
+            _enable_context_parallel_dispatcher,
+        )
+    except ImportError as error:
+        raise RuntimeError(
+            "context_parallel_method='ring' needs torch's private _ContextParallel /"
+            f" _enable_context_parallel_dispatcher (tested with torch 2.13): {error}. Use"
+            " context_parallel_method='allgather'."
+        ) from error
+    _enable_context_parallel_dispatcher()
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+    return style._apply(module, mesh)

@@ -20,7 +20,9 @@ from lightning_shard.activation_checkpointing import ActivationCheckpointing
 from lightning_shard.checkpoint.init_weights import open_weights
 from lightning_shard.compile import check_compile
 from lightning_shard.compression import check_compression
+from lightning_shard.context_parallel import METHODS
 from lightning_shard.flags import FLAG_NAMES, CheckpointMode, EngineFlag, EngineName, ShardFlags
+from lightning_shard.fp8 import Fp8Settings, check_fp8
 from lightning_shard.parallel.plan import check_plan_flag
 from lightning_shard.pipeline.schedules import check_pipeline_flags
 from lightning_shard.units import parse_size
@@ -50,6 +52,8 @@ class ShardConfig(ShardFlags):
     pipeline_split_points: tuple[str, ...] | None = None  # type: ignore[assignment]
     compile: dict[str, Any] | None = None  # type: ignore[assignment]
     """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
+    fp8: Fp8Settings | None = None  # type: ignore[assignment]
+    """Float8 training (torchao) of the chosen Linear layers (None: off)."""
     gradient_compression: dict[str, Any] | None = None  # type: ignore[assignment]
     """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -118,7 +122,15 @@ class ShardConfig(ShardFlags):
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
+        _check_context_parallel(
+            flags.context_parallel_size,
+            flags.context_parallel_method,
+            engine_name,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+        )
         compile_kwargs = check_compile(flags.compile, engine_name)
+        fp8 = check_fp8(flags.fp8, engine_name, stage, tensor_parallel_size)
         compression = check_compression(
             gradient_compression, stage, engine_name, checkpoint, tensor_parallel_size
         )
@@ -147,6 +159,7 @@ class ShardConfig(ShardFlags):
             stages_per_rank=stages_per_rank,
             pipeline_split_points=split_points,
             compile=compile_kwargs,
+            fp8=fp8,
             gradient_compression=compression,
         )
         return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
@@ -224,6 +237,45 @@ def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -
             " tensor_parallel_size, or drop the plan."
         )
     return checked
+
+
+def _check_context_parallel(size: Any, method: Any, engine: str, tp: int, pp: int) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={size!r}) must be an integer >= 1 (1: off): the ranks each"
+            " sequence is cut over."
+        )
+    if method not in METHODS:
+        raise ValueError(
+            f"ShardStrategy(context_parallel_method={method!r}) is unknown. Use 'allgather' (any backend),"
+            " 'ulysses' (any backend, head counts divisible by context_parallel_size) or 'ring' (CUDA)."
+        )
+    if size == 1:
+        if method != "allgather":
+            raise ValueError(
+                f"ShardStrategy(context_parallel_method={method!r}) is only used with context_parallel_size > 1"
+                " (got 1). Set context_parallel_size, or drop context_parallel_method."
+            )
+        return
+    if engine == "deepspeed":
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
+            " engine= or by NVMe / optimizer-only CPU offload). Use engine='fsdp': FSDP2 shards over the"
+            " data-parallel x context-parallel ranks."
+        )
+    if pp > 1:
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={size}, pipeline_parallel_size={pp}) cannot run: a pipeline"
+            " schedule replaces training_step, where the strategy cuts each batch along the sequence and weights"
+            " the loss by the targets each rank holds, and its stages pass activations of one fixed shape. Use"
+            " one of the two."
+        )
+    if tp > 1:
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={size}, tensor_parallel_size={tp}) is not supported yet:"
+            " sequence-parallel norms and the cut sequence both split dim 1. Use context_parallel_size with data"
+            " parallelism (any stage) and HSDP, or tensor parallelism alone."
+        )
 
 
 def _check_init_weights(path: Any) -> None:

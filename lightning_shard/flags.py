@@ -28,6 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.context_parallel import ContextParallelMethod
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.pipeline import PipelineScheduleName
 
@@ -179,11 +180,34 @@ class ShardFlags:
         "the blocks that start stages 2, 3, ... (``['model.blocks.2']``); default: balanced by parameter count.",
         "pipeline/split.py",
     )
+    context_parallel_size: int = _flag(
+        1,
+        "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
+        " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
+        " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
+        "parallel/mesh.py, core/transform.py, context_parallel/, trainer/_steps.py",
+        trainer_only=True,
+    )
+    context_parallel_method: ContextParallelMethod = _flag(
+        "allgather",
+        "attention across the group: ``'allgather'`` (keys and values all-gathered, any backend),"
+        " ``'ulysses'`` (all-to-all over heads: head counts divisible by the size), ``'ring'`` (torch's ring"
+        " attention, CUDA only).",
+        "context_parallel/attention.py",
+        trainer_only=True,
+    )
     compile: bool | dict[str, Any] = _flag(
         False,
         "``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor parallelism"
         " and activation checkpointing, before FSDP2 shards it (or DeepSpeed registers its hooks).",
         "compile.py, engines/fsdp.py, engines/deepspeed.py",
+    )
+    fp8: bool | Literal["tensorwise", "rowwise"] | dict[str, Any] = _flag(
+        False,
+        "``True``, ``'tensorwise'``, ``'rowwise'`` or a dict of options: train the large ``nn.Linear`` layers in"
+        " float8 through torchao (FSDP engine; the size rule and its overrides are in docs/fp8.md); at stages"
+        " 2-3 FSDP gathers their weights in float8.",
+        "fp8.py, engines/fsdp.py",
     )
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,

@@ -35,6 +35,12 @@ def _missing_libaio() -> str | None:
     return None
 
 
+def _missing_torchao() -> str | None:
+    if importlib.util.find_spec("torchao") is not None:
+        return None
+    return "needs torchao for fp8: pip install -e '.[fp8]'"
+
+
 def _missing_deepspeed() -> str | None:
     return None if importlib.util.find_spec("deepspeed") is not None else _DEEPSPEED_INSTALL
 
@@ -46,6 +52,7 @@ _NEEDS: dict[str, Callable[[], str | None]] = {
     "cuda": _missing_cuda,
     "needs_fp16_cpu": _missing_fp16_cpu,
     "needs_libaio": _missing_libaio,
+    "torchao": _missing_torchao,
 }
 
 

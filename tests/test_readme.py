@@ -35,7 +35,7 @@ def test_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     *installs, build_ops, test_command = (part.strip() for part in commands[1].split("&&"))
     # DeepSpeed's tests run too: DeepSpeed builds against the installed torch, so without build isolation,
     # and its C++ ops are compiled once before the tests load them.
-    assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed,s3,hf,ray]"'
+    assert installs[-1] == 'pip install --no-build-isolation -e ".[dev,deepspeed,s3,hf,ray,fp8]"'
     assert build_ops == "lightning-shard build-ops"
     assert test_command == "python -m pytest -q"
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]

@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_shard import _compat
+from lightning_shard.context_parallel import ContextParallel
 from lightning_shard.core.processes import (
     CollectiveTimeoutError,
     apply_timeout,
@@ -63,10 +64,19 @@ class ProcessGroups:
         replicate_size: int = 1,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        context_parallel_method: str = "allgather",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._mesh_sizes = (replicate_size, tensor_parallel_size, pipeline_parallel_size)
+        self._mesh_sizes = (
+            replicate_size,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            context_parallel_size,
+        )
+        self._context_parallel_method = context_parallel_method
+        self._context_parallel: ContextParallel | None = None
         self._requested_backend = backend
         self._process_group_backend: str | None = backend
         self._timeout = timeout
@@ -103,8 +113,14 @@ class ProcessGroups:
         return self._device_mesh
 
     @property
+    def context_parallel(self) -> ContextParallel | None:
+        """This rank's context-parallel group (``None``: ``context_parallel_size=1``, or before processes start)."""
+        return self._context_parallel
+
+    @property
     def layout(self) -> MeshLayout:
-        """The world as ``pp x replicate x shard x tp`` (checked against the world size before any process starts)."""
+        """The world as ``pp x replicate x shard x cp x tp`` (checked against the world size before any process
+        starts)."""
         return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
 
     @property
@@ -172,9 +188,18 @@ class ProcessGroups:
             if self._groups_before is None:
                 self._groups_before = set(_compat.live_process_groups())
             self._device_mesh = self.layout.build(self.root_device.type)
+            self._context_parallel = self._build_context_parallel()
             self._mesh_generation = world_generation()
         self._live_key = join_live(self, self._live_key)
         self.apply_timeout()
+
+    def _build_context_parallel(self) -> ContextParallel | None:
+        mesh = self.layout.build_context_parallel(self.root_device.type)
+        if mesh is None:
+            return None
+        return ContextParallel(
+            mesh.get_group(), mesh.size(), mesh.get_local_rank(), self._context_parallel_method, mesh
+        )
 
     def run_context(self) -> RunContext:
         """What an engine needs to know about these processes (:class:`~lightning_shard.engines.RunContext`)."""
@@ -215,6 +240,7 @@ class ProcessGroups:
             self._live_key, self._groups_before, self._destroy_world, self._device_mesh is not None
         )
         self._device_mesh = None
+        self._context_parallel = None
 
     def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
         self._timed_out = True

@@ -7,7 +7,9 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
 
 1. activation checkpointing, on the whole model (a pipeline stage may keep too few blocks to detect
    their class from);
-2. the pipeline cut: this rank keeps its own stages, before anything shards them;
+2. the pipeline cut: this rank keeps its own stages, before anything shards them; then context
+   parallelism: the model's attention runs over its context-parallel group and its position inputs get
+   each rank's global positions (the batch itself is cut by the door, per step);
 3. the engine (:mod:`lightning_shard.engines`), built for the config as now resolved, sets the module up.
    The FSDP engine applies, in this order, tensor parallelism, ``torch.compile`` per block, FSDP2 (or DDP /
    ZeRO-1 at stages 0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 from lightning_shard._modules import detect_block_classes
 from lightning_shard.activation_checkpointing import apply_activation_checkpointing
 from lightning_shard.config import ShardConfig
+from lightning_shard.context_parallel import ContextParallel, apply_context_parallel
 from lightning_shard.core.process_groups import ProcessGroups
 from lightning_shard.engines import Engine, engine_class
 from lightning_shard.parallel import clip_grad_norm_
@@ -102,6 +105,9 @@ def prepare(
     plan = None
     if rank is not None:
         config, plan = _cut_to_stages(module, config, rank, owner)
+    # 2b. Context parallelism (the batch is cut per step by the door).
+    if processes.context_parallel is not None:
+        _install_context_parallel(module, processes.context_parallel, processes.root_device.type, owner)
     # 3. The engine: tensor parallel -> compile -> shard -> allocate (see the engine's setup_module).
     if engine is None or engine.config != config:
         engine = engine_class(config.engine)(config, precision, processes.run_context())
@@ -129,6 +135,17 @@ def prepare_precision(precision: ShardPrecision, processes: ProcessGroups) -> No
     precision.setup_device(processes.root_device, None)
     if processes.layout.multi_dimensional:
         precision.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=processes.layout.pp)
+
+
+def _install_context_parallel(module: nn.Module, cp: ContextParallel, device_type: str, owner: str) -> None:
+    if cp.method == "ring" and device_type != "cuda":
+        raise ValueError(
+            f"{owner}(context_parallel_method='ring') runs torch's ring attention, which serves the CUDA SDPA"
+            f" kernels only (this run is on {device_type!r}: CPU attention has no sharding rule there). Use"
+            " context_parallel_method='allgather' (or 'ulysses') on this device."
+        )
+    replaced = apply_context_parallel(module, cp, owner)
+    log.info("%s: context parallel (%s) over %d ranks: %s", owner, cp.method, cp.size, replaced)
 
 
 def pipeline_rank(mesh: Any) -> int | None:

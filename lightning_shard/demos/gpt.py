@@ -64,10 +64,23 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
 
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, scale: float | None = None
+) -> torch.Tensor:
+    """Causal softmax attention on ``(b, h, t, d)`` tensors: the default of ``CausalSelfAttention.attend``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention. The fused ``qkv`` projection's outputs are laid out head by head
     (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``), so splitting its columns across tensor-parallel ranks gives
-    each rank whole heads; the head count is read from the width the projection returns."""
+    each rank whole heads; the head count is read from the width the projection returns.
+
+    The attention itself is the ``attend`` call (:func:`causal_attention`): context parallelism replaces it
+    with attention over the whole sequence held by its group of ranks.
+    """
+
+    attend = staticmethod(causal_attention)
 
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
@@ -86,7 +99,7 @@ class CausalSelfAttention(nn.Module):
         heads = qkv.size(-1) // (3 * self.head_dim)
         q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # 3 x (b, h, t, d)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (b, h, t, d)
+        y = self.attend(q, k, v, dropout_p=p)  # (b, h, t, d)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -157,12 +170,13 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layers))
 
     @override
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # A pipeline stage holds only its own modules (the others are None, docs/pipeline.md): stages
         # after the first receive the previous stage's hidden states, stages before the last return theirs.
+        # position_ids: (t,) or (b, t), default 0 .. t-1 (context parallelism gives each chunk its own).
         x = idx
         if self.tok_emb is not None:
-            pos = torch.arange(idx.size(1), device=idx.device)
+            pos = torch.arange(idx.size(1), device=idx.device) if position_ids is None else position_ids
             x = self.tok_emb(idx) + self.pos_emb(pos)  # (b, t, d)
         for block in self.blocks:
             x = block(x)

@@ -9,6 +9,10 @@ keeps this rank's chunk, so each rank sends and receives twice what a reduce-sca
 sends rank j the j-th chunk of every rank's gradients, and the sum of the N chunks received is this rank's
 shard: (N - 1) / N of the buffer each way, as a ring reduce-scatter. Installed through FSDP2's public
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+
+Float8 weights (``ShardStrategy(fp8=...)`` at stages 2-3) are gathered as their bytes: gloo has no float8
+dtype (``RuntimeError: Invalid scalar type``), and a byte copy is exactly what a gather of them is. The
+bytes every all-gather here delivers to this rank are counted in :data:`traffic`.
 """
 
 from __future__ import annotations
@@ -27,8 +31,29 @@ except ImportError:  # pragma: no cover  (moved: FSDP2's own collectives are use
     DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
 
+class Traffic:
+    """Bytes the FSDP2 all-gathers of this process have delivered (the whole output, every rank's chunk)."""
+
+    def __init__(self) -> None:
+        self.all_gather_bytes = 0
+        self.all_gathers = 0
+
+    def reset(self) -> None:
+        self.all_gather_bytes = self.all_gathers = 0
+
+
+#: This process's all-gather bytes (read by tests and benchmarks: bytes gathered per step).
+traffic = Traffic()
+_FLOAT8 = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
 class CpuAllGather(DefaultAllGather or object):  # type: ignore[misc]
-    """All-gather through shared memory where the group's ranks share a host, else FSDP2's own (gloo's)."""
+    """All-gather through shared memory where the group's ranks share a host, else FSDP2's own (gloo's);
+    float8 buffers travel as uint8."""
 
     def __call__(
         self,
@@ -37,6 +62,10 @@ class CpuAllGather(DefaultAllGather or object):  # type: ignore[misc]
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if output_tensor.dtype in _FLOAT8:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        traffic.all_gather_bytes += output_tensor.nbytes
+        traffic.all_gathers += 1
         shm = shared_memory_group(group)
         if shm is not None and shm.all_gather(output_tensor, input_tensor):
             return None

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 import lightning_shard.engines._zero as _zero
-from lightning_shard import _compat, _ddp, compression
+from lightning_shard import _compat, _ddp, compression, fp8
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
 from lightning_shard._optim import rebind_schedulers
@@ -102,6 +102,10 @@ class FSDPEngine(Engine):
             plan = apply_tensor_parallel(module, self.run.tp_mesh, self.config.tensor_parallel_plan)
             setattr(module, _TP_APPLIED, True)
             log.info("ShardStrategy: tensor parallel over %d ranks: %s", self.run.tp_mesh.size(), plan)
+        if self.config.fp8 is not None:
+            # After tensor parallelism, before compile and sharding (torchtitan's order): compile sees the
+            # float8 casts, and FSDP2 wraps the float8 weights (their gathers in float8). Once per module.
+            fp8.convert(module, self.config.fp8)
         if self.config.compile is not None:
             self._compile(module)
         if self.stage >= 2:
@@ -151,6 +155,8 @@ class FSDPEngine(Engine):
             optimizers = sharded
         for optimizer in optimizers:
             step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
+        if self._precomputes_fp8_scales:
+            fp8.precompute_after_steps(model, optimizers)
         _compat.optimizers_to_device(optimizers, self.run.device)
         return model, optimizers
 
@@ -282,10 +288,27 @@ class FSDPEngine(Engine):
         if self.async_checkpointer is not None:
             self.async_checkpointer.wait()
         if not isinstance(path, Remote) and ckpt.is_deepspeed_checkpoint(path):
-            return load_into_fsdp(self, model, optimizers, path, weights_only)
-        if path.is_dir():
-            return ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
-        return ckpt.load_full_into(self, model, optimizers, path, weights_only)
+            loaded = load_into_fsdp(self, model, optimizers, path, weights_only)
+        elif path.is_dir():
+            loaded = ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
+        else:
+            loaded = ckpt.load_full_into(self, model, optimizers, path, weights_only)
+        self._refresh_fp8_scales(model)
+        return loaded
+
+    def load_full_weights(self, module: nn.Module, path: str) -> None:
+        super().load_full_weights(module, path)
+        self._refresh_fp8_scales(module)
+
+    @property
+    def _precomputes_fp8_scales(self) -> bool:
+        settings = self.config.fp8
+        return settings is not None and settings.all_gather and settings.precompute_scales and self.stage >= 2
+
+    def _refresh_fp8_scales(self, model: nn.Module) -> None:
+        """New weights: the float8 gathers' scales computed after the last step are stale."""
+        if self._precomputes_fp8_scales:
+            fp8.precompute_scales(model)
 
     def communication_load_target(self, metadata: Any) -> dict[str, torch.Tensor] | None:
         """Where a sharded checkpoint's PowerSGD state is read to (None: nothing to read)."""
@@ -327,7 +350,8 @@ class FSDPEngine(Engine):
     # --- state dicts -----------------------------------------------------------------------------
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        return state if self.config.fp8 is None else fp8.plain_state_dict(state)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any], full: bool) -> None:
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=True))

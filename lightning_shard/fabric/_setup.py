@@ -63,6 +63,12 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             "it is a Trainer optimizer-step hook. In a Fabric loop,"
             " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
         ),
+        (
+            f"context_parallel_size={config.context_parallel_size}",
+            config.context_parallel_size > 1,
+            "the Trainer's step hooks cut each batch along the sequence and weight the loss, and a Fabric loop"
+            " has no such hook. Use the Trainer (ShardStrategy(context_parallel_size=...))",
+        ),
     ]
     for flag, hit, why in refused:
         if hit:

@@ -73,6 +73,8 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
             config.replicate_size,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
+            context_parallel_size=config.context_parallel_size,
+            context_parallel_method=config.context_parallel_method,
         )
         self._backward_sync_control = _EngineNoSync(self)
         self._engine: Engine | None = None

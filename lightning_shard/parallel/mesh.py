@@ -1,11 +1,17 @@
 """The device mesh: ``(pp, replicate, shard, tp)`` for pipeline stages, HSDP and tensor parallelism, or one
-data-parallel dim.
+data-parallel dim; and the context-parallel groups inside the shard dim.
 
 A world of ``W`` ranks is laid out as ``W = pp x replicate x shard x tp`` in row-major order, so the
 tensor-parallel groups are consecutive ranks (one node's fast links), the shard groups come next, the
 replicate groups span the rest (across nodes) and each pipeline stage is one such block of ranks (stages
 talk point to point, the lightest traffic, so they may sit across the slowest links). With every size but
 the shard one at 1 the mesh stays one dimension named ``"dp"``; without pipeline stages it has no ``pp``.
+
+Context parallelism (``cp`` ranks cut each sequence) sits between shard and tp: ``W = pp x replicate x shard x
+cp x tp``. The ``cp`` ranks of a group hold the same model and read the same batch, so FSDP2 / DDP treat
+them as data-parallel ranks: the mesh's ``shard`` dimension (or its one ``dp`` dimension) spans ``shard x
+cp``, as torchtitan shards over its flattened ``dp_shard_cp``; the groups that cut a sequence are a second
+mesh (:meth:`MeshLayout.build_context_parallel`).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ PIPELINE_DIMS = ("pp", *DIMS)
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """How a world of ranks splits: ``pp x replicate x shard x tp``."""
+    """How a world of ranks splits: ``pp x replicate x shard x cp x tp``."""
 
     replicate: int
     shard: int
+    """Data-parallel ranks of one replica that read different batches (the mesh's shard dim is ``shard x cp``)."""
     tp: int
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def for_world(
@@ -36,17 +44,21 @@ class MeshLayout:
         replicate_size: int = 1,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> MeshLayout:
         """The layout of ``world_size`` ranks, or a ``ValueError`` naming the flag that does not divide it."""
         check_pipeline_world(world_size, pipeline_parallel_size)
         stage_world = world_size // pipeline_parallel_size
         check_world(stage_world, replicate_size, tensor_parallel_size)
-        shard = stage_world // (replicate_size * tensor_parallel_size)
-        return cls(replicate_size, shard, tensor_parallel_size, pipeline_parallel_size)
+        check_context_parallel_world(
+            stage_world // tensor_parallel_size, replicate_size, context_parallel_size
+        )
+        shard = stage_world // (replicate_size * tensor_parallel_size * context_parallel_size)
+        return cls(replicate_size, shard, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.cp * self.tp
 
     @property
     def data_parallel_size(self) -> int:
@@ -58,18 +70,27 @@ class MeshLayout:
         return self.replicate > 1 or self.tp > 1 or self.pp > 1
 
     def data_parallel_rank(self, global_rank: int) -> int:
-        """Which batch slice ``global_rank`` reads: the ranks of one tensor-parallel group, and the stages of
-        one pipeline, read the same."""
-        return (global_rank // self.tp) % self.data_parallel_size
+        """Which batch slice ``global_rank`` reads: the ranks of one tensor-parallel or context-parallel
+        group, and the stages of one pipeline, read the same."""
+        return (global_rank // (self.tp * self.cp)) % self.data_parallel_size
 
     def build(self, device_type: str) -> Any:
         """The ``DeviceMesh`` over every rank (a collective: every rank calls it)."""
+        shard = self.shard * self.cp  # context-parallel ranks shard (and reduce gradients) with the rest
         if self.pp > 1:
-            sizes = (self.pp, self.replicate, self.shard, self.tp)
+            sizes = (self.pp, self.replicate, shard, self.tp)
             return init_device_mesh(device_type, sizes, mesh_dim_names=PIPELINE_DIMS)
         if not self.multi_dimensional:
             return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
-        return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMS)
+        return init_device_mesh(device_type, (self.replicate, shard, self.tp), mesh_dim_names=DIMS)
+
+    def build_context_parallel(self, device_type: str) -> Any:
+        """The 1-D mesh of this rank's context-parallel group (a collective: every rank calls it), or ``None``
+        when ``cp`` is 1. A group is ``cp`` ranks ``tp`` apart, at one place on every other dimension."""
+        if self.cp == 1:
+            return None
+        sizes = (self.world_size // (self.cp * self.tp), self.cp, self.tp)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=("cp_outer", "cp", "cp_tp"))["cp"]
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
@@ -106,6 +127,21 @@ def check_pipeline_world(world_size: int, pipeline_parallel_size: int) -> None:
         )
 
 
+def check_context_parallel_world(ranks: int, replicate_size: int, context_parallel_size: int) -> None:
+    """``context_parallel_size`` must divide each replica's ``ranks / replicate_size`` ranks."""
+    if isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int):
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={context_parallel_size!r}) must be an integer."
+        )
+    per_replica = ranks // replicate_size
+    if per_replica % context_parallel_size:
+        raise ValueError(
+            f"ShardStrategy(context_parallel_size={context_parallel_size}) does not divide the {per_replica}"
+            " data-parallel ranks of each replica (world size / tensor_parallel_size / pipeline_parallel_size /"
+            f" replicate_size). Use a context_parallel_size that divides {per_replica}."
+        )
+
+
 def check_world(
     world_size: int,
     replicate_size: int,
@@ -137,6 +173,7 @@ __all__ = [
     "DIMS",
     "PIPELINE_DIMS",
     "MeshLayout",
+    "check_context_parallel_world",
     "check_pipeline_world",
     "check_world",
     "data_parallel_mesh",

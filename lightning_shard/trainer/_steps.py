@@ -19,6 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_shard.compile import recompiles
+from lightning_shard.context_parallel import scale_loss, split_batch
 from lightning_shard.core.processes import guarded
 from lightning_shard.engines import Engine
 from lightning_shard.trainer._preemption import Preemption
@@ -91,28 +92,43 @@ class EngineSteps(ProcessGroupStrategy):
             return self.engine.forward_redirection(model, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
+    def _cut_batch(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], float]:
+        """Context parallelism: the batch (the step's first argument) cut to this rank's chunks of each
+        sequence, and the weight of this rank's mean loss (:mod:`lightning_shard.context_parallel.batch`).
+        The group's sequence stays set until the next step: a recompute during backward needs it."""
+        cp = self.context_parallel
+        if cp is None or not args:
+            return args, 1.0
+        split = split_batch(args[0], cp.size, cp.rank)
+        cp.begin(split.seq_len)
+        return (split.batch, *args[1:]), split.loss_weight(cp.size)
+
     @override
     @guarded
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._preemption.agree(self.root_device)
+        args, weight = self._cut_batch(args)
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            return scale_loss(self._redirect("training_step", *args, **kwargs), weight)
 
     @override
     @guarded
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, _ = self._cut_batch(args)
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
     @override
     @guarded
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, _ = self._cut_batch(args)
         with self.precision_plugin.test_step_context():
             return self._redirect("test_step", *args, **kwargs)
 
     @override
     @guarded
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, _ = self._cut_batch(args)
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
 

@@ -71,6 +71,8 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             self.config.replicate_size,
             self.config.tensor_parallel_size,
             self.config.pipeline_parallel_size,
+            context_parallel_size=self.config.context_parallel_size,
+            context_parallel_method=self.config.context_parallel_method,
             **kwargs,
         )
         self._guard = NonFiniteGuard(self.config.max_skipped) if self.config.skip_nonfinite else None
@@ -240,6 +242,8 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         groups stay alive for collectives in user code and the next call, as under ``DDPStrategy``; they
         are destroyed at exit (:mod:`lightning_shard.core.processes`)."""
         try:
+            if self.context_parallel is not None:
+                self.context_parallel.end()  # the model runs whole sequences outside the Trainer's steps
             if self._engine is not None and self._engine_live:
                 # Kept for inspection after the run; the next Trainer call builds a fresh one.
                 self._engine_live = False

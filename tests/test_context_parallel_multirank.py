@@ -1,0 +1,244 @@
+"""Context parallelism on 2 and 4 CPU ranks against one process: the demo GPT (a tuple batch, targets
+aligned) and a tiny Hugging Face Llama with its defaults (a dict batch, labels shifted by the model), each
+method that runs on CPU, plain SGD (gradient-scale sensitive) and AdamW, accumulation 2, clipping on.
+
+One 2-rank job (CP2 at stages 0-3, a checkpoint written at cp=2 and resumed at cp=1 x dp=2, validation) and
+one 4-rank job (CP2 x DP2, and the cp=2 checkpoint resumed there).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
+from tests.helpers import LossRecorder, loader, tiny_gpt, tiny_llama_config, token_dataset, trainer_kwargs
+from tests.helpers import _world as world_of
+from tests.test_parity_multirank import CLIP, reference, sgd_gpt
+
+pytestmark = pytest.mark.multirank
+
+_transformers = pytest.importorskip("transformers")
+
+
+class TokenDicts(Dataset):
+    """The test tokens as Hugging Face batches: ``labels`` equal to ``input_ids`` (the model shifts them)."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.x = token_dataset(n).tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def dict_loader(batch_size: int, data_parallel: int = 1, rank: int = 0) -> DataLoader:
+    dataset = TokenDicts()
+    if data_parallel == 1:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    sampler = DistributedSampler(dataset, num_replicas=data_parallel, rank=rank, shuffle=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+class Llama(L.LightningModule):
+    """A tiny Hugging Face Llama trained on its own loss (``model(**batch).loss``)."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _transformers.LlamaForCausalLM(tiny_llama_config())
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ValidatedGPT(L.LightningModule):
+    """The tiny GPT with a validation loss, logged as the mean over ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_gpt()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("val_loss", loss, sync_dist=True)
+
+
+def _world() -> int:
+    return (world_of() or (0, 1))[1]
+
+
+def _rank() -> int:
+    return (world_of() or (0, 1))[0]
+
+
+def _fit(
+    model: L.LightningModule, data: DataLoader, strategy: Any, max_steps: int = 3, **extra: Any
+) -> list[float]:
+    recorder = LossRecorder()
+    ckpt_path = extra.pop("ckpt_path", None)
+    trainer = L.Trainer(
+        devices=_world() if strategy != "auto" else 1,
+        strategy=strategy,
+        callbacks=[recorder, *extra.pop("callbacks", [])],
+        **trainer_kwargs(
+            max_steps=max_steps,
+            accumulate_grad_batches=2,
+            gradient_clip_val=CLIP,
+            gradient_clip_algorithm="norm",
+            **extra,
+        ),
+    )
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return recorder.losses
+
+
+def _gpt_data(cp: int, n: int = 64) -> DataLoader:
+    return loader(
+        8 * cp // _world(), n, tensor_parallel_size=cp
+    )  # the ranks of a cp group read the same rows
+
+
+def _llama_data(cp: int) -> DataLoader:
+    dp = _world() // cp
+    return dict_loader(8 // dp, dp, _rank() // cp)
+
+
+def _gpt(optimizer: str) -> L.LightningModule:
+    return sgd_gpt() if optimizer == "sgd" else tiny_gpt()
+
+
+def _validate(strategy: Any) -> float:
+    trainer = L.Trainer(devices=_world() if strategy != "auto" else 1, strategy=strategy, **trainer_kwargs())
+    cp = getattr(strategy, "config", None)
+    data = _gpt_data(cp.context_parallel_size) if cp is not None else loader(8)
+    return trainer.validate(ValidatedGPT(), data, verbose=False)[0]["val_loss"]
+
+
+#: Rows of one epoch in the checkpoint runs: 3 steps of 2 x 8, so the checkpoint at step 3 ends an epoch.
+EPOCH = 48
+# name -> (model, optimizer, flags)
+TWO_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt allgather stage 3 sgd": ("gpt", "sgd", dict(stage=3)),
+    "gpt ulysses stage 2 sgd": ("gpt", "sgd", dict(stage=2, context_parallel_method="ulysses")),
+    "gpt allgather stage 0 adamw": ("gpt", "adamw", dict(stage=0)),
+    "gpt ulysses stage 3 adamw": ("gpt", "adamw", dict(stage=3, context_parallel_method="ulysses")),
+    "llama allgather stage 3 sgd": ("llama", "sgd", dict(stage=3)),
+    "llama ulysses stage 1 sgd": ("llama", "sgd", dict(stage=1, context_parallel_method="ulysses")),
+    "llama allgather stage 2 adamw": ("llama", "adamw", dict(stage=2)),
+}
+
+
+def _run(model: str, optimizer: str, flags: dict[str, Any], cp: int = 2) -> list[float]:
+    strategy = ShardStrategy(context_parallel_size=cp, **flags)
+    if model == "gpt":
+        return _fit(_gpt(optimizer), _gpt_data(cp), strategy)
+    return _fit(Llama(optimizer), _llama_data(cp), strategy)
+
+
+def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
+    results: dict[str, Any] = {name: _run(*case) for name, case in TWO_RANKS.items()}
+    # Written at cp=2 (step 3 of 6: the end of an epoch of 48 rows), read at cp=1 x dp=2.
+    every3 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
+    results["saved"] = _fit(
+        sgd_gpt(),
+        _gpt_data(2, EPOCH),
+        ShardStrategy(context_parallel_size=2),
+        6,
+        callbacks=[every3],
+        enable_checkpointing=True,
+    )
+    ckpt = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
+    results["resumed at cp=1 x dp=2"] = _fit(
+        sgd_gpt(), _gpt_data(1, EPOCH), ShardStrategy(), 6, ckpt_path=ckpt
+    )
+    results["validate"] = _validate(ShardStrategy(context_parallel_size=2))
+    return results
+
+
+def _references() -> dict[str, list[float]]:
+    return {
+        "gpt sgd": reference("sgd", 2, CLIP),
+        "gpt adamw": reference("adamw", 2, CLIP),
+        "llama sgd": _fit(Llama("sgd"), dict_loader(8), "auto"),
+        "llama adamw": _fit(Llama("adamw"), dict_loader(8), "auto"),
+        "gpt sgd 6": _fit(sgd_gpt(), loader(8, EPOCH), "auto", 6),
+    }
+
+
+def _close(actual: list[float], expected: list[float], name: str) -> None:
+    assert len(actual) == len(expected), name
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[dict[str, Any], str]:
+    ckpt_dir = str(tmp_path_factory.mktemp("cp2"))
+    return run_ranks(_two_ranks, ckpt_dir, world_size=2)[0], ckpt_dir
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[str, list[float]]:
+    return _references()
+
+
+def test_cp2_follows_one_process_and_resumes_at_cp1(two_ranks, refs):
+    results, _ = two_ranks
+    for name, (model, optimizer, _flags) in TWO_RANKS.items():
+        _close(results[name], refs[f"{model} {optimizer}"], name)
+    _close(results["saved"], refs["gpt sgd 6"], "saved at cp=2")
+    _close(results["resumed at cp=1 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=1 x dp=2")
+    torch.testing.assert_close(results["validate"], _validate("auto"), rtol=1e-5, atol=0)
+
+
+FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt allgather cp2 x dp2 stage 3 sgd": ("gpt", "sgd", dict(stage=3)),
+    "gpt ulysses cp2 x dp2 stage 0 sgd": ("gpt", "sgd", dict(stage=0, context_parallel_method="ulysses")),
+    "gpt allgather cp2 x dp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2)),
+    "llama allgather cp2 x dp2 stage 3 sgd": ("llama", "sgd", dict(stage=3)),
+}
+
+
+def _four_ranks(ckpt: str) -> dict[str, Any]:
+    results: dict[str, Any] = {name: _run(*case) for name, case in FOUR_RANKS.items()}
+    results["resumed at cp=2 x dp=2"] = _fit(
+        sgd_gpt(), _gpt_data(2, EPOCH), ShardStrategy(context_parallel_size=2), 6, ckpt_path=ckpt
+    )
+    return results
+
+
+def test_cp2_x_dp2_follows_one_process_and_resumes_a_cp2_checkpoint(two_ranks, refs):
+    _, ckpt_dir = two_ranks
+    results = run_ranks(_four_ranks, os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"), world_size=4)[0]
+    for name, (model, optimizer, _flags) in FOUR_RANKS.items():
+        _close(results[name], refs[f"{model} {optimizer}"], name)
+    _close(results["resumed at cp=2 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=2 x dp=2")
+
+
+def _ring_on_cuda() -> list[float]:
+    """CUDA only (tests/test_context_parallel.py): the ring method's losses on the demo GPT, 2 GPUs."""
+    strategy = ShardStrategy(context_parallel_size=2, context_parallel_method="ring")
+    kwargs = dict(accelerator="cuda", max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[recorder], **trainer_kwargs(**kwargs))
+    trainer.fit(sgd_gpt(), _gpt_data(2))
+    return recorder.losses
