@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 # DESIGN.md's reference shape: GPT-2 style, 6 x 256, seq 128, batch 4 per rank.
@@ -126,6 +127,34 @@ def _export_trace(profiler: Any, path: Path) -> None:
     with raw.open("rb") as src, gzip.open(path, "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
+
+
+class SavedBytes:
+    """Bytes of activations autograd holds for backward, now and at the peak: each storage counted once while
+    any saved tensor refers to it; parameters (saved by every matmul) are not activations."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.now = self.peak = 0
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._refs: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in self._params:
+            if key not in self._refs:
+                self.now += tensor.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.now)
+            self._refs[key] = self._refs.get(key, 0) + 1
+        return tensor, key
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        tensor, key = packed
+        if key in self._refs:  # each saved tensor is unpacked once, in backward
+            self._refs[key] -= 1
+            if not self._refs[key]:
+                del self._refs[key]
+                self.now -= tensor.untyped_storage().nbytes()
+        return tensor
 
 
 def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2) -> L.Trainer:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import write_report
+from _common import SavedBytes, write_report
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -51,34 +51,6 @@ def _work_alone(module: nn.Module, microbatches: int, first: bool) -> float:
     return time.perf_counter() - start
 
 
-class _SavedBytes:
-    """Bytes of activations autograd holds for backward, now and at the peak: each storage counted once while
-    any saved tensor refers to it; parameters (saved by every matmul) are not activations."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.now = self.peak = 0
-        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self._refs: dict[int, int] = {}
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        key = tensor.untyped_storage().data_ptr()
-        if key not in self._params:
-            if key not in self._refs:
-                self.now += tensor.untyped_storage().nbytes()
-                self.peak = max(self.peak, self.now)
-            self._refs[key] = self._refs.get(key, 0) + 1
-        return tensor, key
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        tensor, key = packed
-        if key in self._refs:  # each saved tensor is unpacked once, in backward
-            self._refs[key] -= 1
-            if not self._refs[key]:
-                del self._refs[key]
-                self.now -= tensor.untyped_storage().nbytes()
-        return tensor
-
-
 def _stage(rank: int, stages: int) -> nn.Module:
     torch.manual_seed(rank)
     layers: list[nn.Module] = []
@@ -95,7 +67,7 @@ def _run(schedule_name: str, microbatches: int, steps: int) -> dict[str, Any]:
     batch = torch.randn(microbatches * MICROBATCH, WIDTH)
     fractions, peaks = [], []
     for step in range(steps + 1):  # the first step warms up (buffers, sockets): not counted
-        saved = _SavedBytes(module)
+        saved = SavedBytes(module)
         busy = _work_alone(module, microbatches, first=rank == 0)
         dist.barrier()
         start = time.perf_counter()

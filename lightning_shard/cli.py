@@ -101,6 +101,12 @@ def _add_plan(sub: Any) -> None:
         type=_positive_int,
         help="plan for this ShardStrategy(pipeline_parallel_size=...) (default: from the layout, else 1)",
     )
+    run.add_argument(
+        "--context-parallel-size",
+        type=_positive_int,
+        help="plan for this ShardStrategy(context_parallel_size=...) (default: 1, or the fewest ranks that"
+        " make one sequence's activations fit)",
+    )
     flags = plan.add_argument_group("training")
     flags.add_argument(
         "--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -321,6 +327,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "tensor_parallel_size": args.tensor_parallel_size,
         "replicate_size": args.replicate_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "context_parallel_size": args.context_parallel_size or "auto",
         "_note": memory_note,
     }
 

@@ -25,6 +25,11 @@ only): each rank casts its shard with one scale from the weight's absolute maxim
 the gathered bytes are exactly the full weight's cast, in 1 byte per element instead of 2 (bf16) or 4
 (fp32). The scales for the next step's gathers are computed after each optimizer step in one all-reduce
 (torchao's ``precompute_float8_dynamic_scale_for_fsdp``), and again after weights are loaded.
+
+Tensor parallelism splits the converted layers (the conversion comes first, torchtitan's order) with
+torchao's float8 styles where they keep the result of one process (see ``parallel.plan._float8_styles``).
+With it the gathers' scales are also computed once at set-up: torchao's cast at the gather reduces the
+maximum over the data-parallel shards only, not over the tensor-parallel slices.
 """
 
 from __future__ import annotations
@@ -118,18 +123,21 @@ def check_fp8(value: Any, engine: str, stage: Any, tensor_parallel_size: int) ->
             " NVMe / optimizer-only CPU offload): its fp8 path is not wired to this flag, and its ZeRO-3 gathers"
             " cannot carry torchao's float8 weights. Use engine='fsdp' (offload_params='cpu' works there)."
         )
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"ShardStrategy(fp8={value!r}, tensor_parallel_size={tensor_parallel_size}) cannot run yet: the"
-            " split layers would need torchao's float8 parallel styles. Drop fp8, or tensor_parallel_size."
-        )
     recipe = given.pop("recipe", "tensorwise")
     if recipe not in RECIPES:
         raise ValueError(
             f"ShardStrategy(fp8={value!r}): recipe {recipe!r} is unknown. Use one of {list(RECIPES)}."
         )
     settings = _settings(value, recipe, given)
-    return _with_all_gather(value, settings, given.get("enable_fsdp_float8_all_gather"), stage)
+    settings = _with_all_gather(value, settings, given.get("enable_fsdp_float8_all_gather"), stage)
+    if settings.all_gather and not settings.precompute_scales and tensor_parallel_size > 1:
+        raise ValueError(
+            f"ShardStrategy(fp8={value!r}, tensor_parallel_size={tensor_parallel_size}): the float8 all-gather"
+            " without precompute_scales casts each weight with the maximum over its data-parallel shards only,"
+            " so each tensor-parallel slice would get a scale of its own. Drop precompute_scales=False, or set"
+            " enable_fsdp_float8_all_gather=False."
+        )
+    return settings
 
 
 def _settings(value: Any, recipe: str, given: dict[str, Any]) -> Fp8Settings:

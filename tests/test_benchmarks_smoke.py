@@ -166,3 +166,25 @@ def test_bench_gpu_mfu_smoke(tmp_path):
     assert len(result["step_ms"]) == 5 and result["step_ms_median"] > 0
     assert result["counted_tflops_per_step"] == pytest.approx(result["palm_tflops_per_step"], rel=0.05)
     assert (tmp_path / result["trace"]).stat().st_size > 0 and result["profile"]["wall_ms_per_step"] > 0
+
+
+@pytest.mark.multirank
+def test_bench_cp_smoke(tmp_path):
+    """Context parallelism cuts activations: at cp=2 each rank keeps about half of one process's (Ulysses keeps
+    no more than its T / 2 tokens' share; all-gather adds the group's keys and values and one mask)."""
+    out = tmp_path / "cp.json"
+    args = ("--seq-lens", "512", "--cp", "1", "2", "--steps", "1", "--budget", "4MiB", "--out", str(out))
+    run = run_benchmark("bench_cp.py", *args)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"cp1", "cp2/allgather", "cp2/ulysses"}
+    for rows in report["results"].values():
+        row = rows["512"]
+        assert row["step_s_median"] > 0 and row["planned_activation_bytes"] > 0
+        assert 0.5 < row["measured_over_planned"] < 1.5
+    ulysses, allgather = report["results"]["cp2/ulysses"]["512"], report["results"]["cp2/allgather"]["512"]
+    assert ulysses["one_over_c"] == 0.5 and 0.45 < ulysses["ratio_to_cp1"] < 0.6
+    assert ulysses["peak_activation_bytes_per_rank"][0] == ulysses["peak_activation_bytes_per_rank"][1]
+    assert 0.5 < allgather["ratio_to_cp1"] < 0.8
+    assert report["longest_sequence_in_budget"]["cp2/ulysses"] == {"measured": 512, "planned": 512}
+    assert report["longest_sequence_in_budget"]["cp1"]["measured"] is None

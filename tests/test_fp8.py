@@ -1,4 +1,4 @@
-"""``fp8=``: the flag's checks, the size rule and its overrides (one process, no torchao import)."""
+"""``fp8=``: the flag's checks, the size rule and its overrides, the tensor-parallel styles (one process)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from lightning_shard import ShardStrategy, fp8
 from lightning_shard.config import ShardConfig
 from lightning_shard.fp8 import Fp8Settings, check_fp8, choose, convert, large_enough
+from tests.helpers import tiny_gpt
 
 pytestmark = pytest.mark.torchao
 
@@ -43,6 +44,7 @@ def test_flag_forms():
     assert settings == Fp8Settings(skip=("blocks.0.*",), options=(("pad_inner_dim", True),))
     assert settings.torchao_config().pad_inner_dim  # type: ignore[union-attr]
     assert ShardStrategy(stage=3, fp8="tensorwise").config.fp8 is not None
+    assert ShardConfig.from_flags(stage=3, fp8=True, tensor_parallel_size=2).fp8.all_gather  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -52,7 +54,10 @@ def test_flag_forms():
         ({"fp8": {"recipes": "rowwise"}}, r"has \['recipes'\], which are not fp8 options"),
         ({"fp8": "blockwise"}, "recipe 'blockwise' is unknown"),
         ({"fp8": True, "engine": "deepspeed"}, "not available with the DeepSpeed engine.*engine='fsdp'"),
-        ({"fp8": True, "tensor_parallel_size": 2}, "tensor_parallel_size=2\\) cannot run yet"),
+        (
+            {"fp8": {"precompute_scales": False}, "tensor_parallel_size": 2},
+            "tensor_parallel_size=2\\): the float8 all-gather without precompute_scales",
+        ),
         ({"fp8": {"filter": 3}}, "filter must be 'auto', 'all' or the import path"),
         ({"fp8": {"filter": "no.such.module.fn"}}, "filter 'no.such.module.fn' is neither"),
         ({"fp8": {"modules": 7}}, "modules must be a list of module-name patterns"),
@@ -114,3 +119,30 @@ def test_no_eligible_layer_warns():
 def test_plain_state_dict_keeps_plain_tensors():
     state = {"w": torch.ones(2)}
     assert fp8.plain_state_dict(state)["w"] is state["w"]
+
+
+def test_tensor_parallel_styles_for_float8_layers():
+    """torchao's float8 styles where they keep one process's result; torch's (the Float8Linear still casts
+    the split operands itself) for a layer with a bias, a sequence-split input on gloo, or rowwise scaling."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from lightning_shard.parallel import resolve_plan
+    from lightning_shard.parallel.plan import to_styles
+
+    def styles(recipe: str, float8_wire: bool) -> dict[str, type]:
+        model = tiny_gpt().model
+        for linear in (model.blocks[0].attn.qkv, model.blocks[0].attn.proj):
+            linear.bias = None
+        convert(model, check_fp8({"recipe": recipe, "filter": "all"}, "fsdp", 0, 2))  # type: ignore[arg-type]
+        chosen = to_styles(model, resolve_plan(model, None, 2), float8_wire)  # the GPT's plan: sequence split
+        return {name: type(style) for name, style in chosen.items() if name.endswith(("qkv", "proj"))}
+
+    assert styles("tensorwise", True) == {
+        "blocks.0.attn.qkv": Float8ColwiseParallel,
+        "blocks.0.attn.proj": Float8RowwiseParallel,
+        "blocks.1.attn.qkv": ColwiseParallel,  # a bias
+        "blocks.1.attn.proj": RowwiseParallel,
+    }
+    assert set(styles("tensorwise", False).values()) == {ColwiseParallel, RowwiseParallel}  # gloo
+    assert set(styles("rowwise", True).values()) == {ColwiseParallel, RowwiseParallel}

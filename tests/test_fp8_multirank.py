@@ -35,16 +35,36 @@ CLIP, SGD_LR, STEPS, PER_RANK = 0.6, 0.5, 3, 4
 FP8 = {"filter": "all"}
 #: How far 3 steps with fp8 may move the losses from the same run in float32 (measured: < 2e-4).
 BAND = 2e-3
+#: Tensor parallel without sequence parallelism: each split layer's input arrives whole.
+NO_SEQUENCE = {
+    "blocks.*.attn.qkv": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+}
+#: name -> (flags, optimizer, block Linears with biases). Without biases and sequence parallelism the split
+#: layers take torchao's float8 styles; with either (on gloo) torch's (``parallel.plan._float8_styles``).
+TP2 = {
+    "tp2 stage 3, float8 styles": (dict(stage=3, tensor_parallel_plan=NO_SEQUENCE), "sgd", False),
+    "tp2 stage 0, biases": (dict(stage=0, tensor_parallel_plan=NO_SEQUENCE), "sgd", True),
+    "tp2 stage 3, sequence parallel, biases": (dict(stage=3), "sgd", True),
+}
 
 
-def _model(optimizer: str) -> L.LightningModule:
+def _model(optimizer: str, biases: bool = True) -> L.LightningModule:
     model = tiny_gpt()
     if optimizer == "sgd":
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=SGD_LR)  # type: ignore[method-assign]
+    if not biases:
+        for block in model.model.blocks:
+            for linear in (block.attn.qkv, block.attn.proj, block.mlp[0], block.mlp[2]):
+                linear.bias = None
     return model
 
 
-def _fit(strategy: Any, optimizer: str, **kwargs: Any) -> tuple[list[float], L.Trainer]:
+def _fit(
+    strategy: Any, optimizer: str, data: DataLoader | None = None, biases: bool = True, **kwargs: Any
+) -> tuple[list[float], L.Trainer]:
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=2,
@@ -52,7 +72,7 @@ def _fit(strategy: Any, optimizer: str, **kwargs: Any) -> tuple[list[float], L.T
         callbacks=[recorder],
         **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", **kwargs),
     )
-    trainer.fit(_model(optimizer), loader(PER_RANK))
+    trainer.fit(_model(optimizer, biases), data or loader(PER_RANK))
     return recorder.losses, trainer
 
 
@@ -107,6 +127,16 @@ def _job(directory: str) -> dict[str, Any]:
     out["composed"] = _fit(composed, "sgd")[0]
     out["time"]["composed"] = time.perf_counter() - start
     out["meta"] = _fit_on_meta()
+    for name, (flags, optimizer, biases) in TP2.items():
+        start = time.perf_counter()
+        strategy = ShardStrategy(fp8=FP8, tensor_parallel_size=2, **flags)  # type: ignore[arg-type]
+        out[name] = _fit(strategy, optimizer, loader(PER_RANK, tensor_parallel_size=2), biases)[0]
+        out["time"][name] = time.perf_counter() - start
+    start = time.perf_counter()
+    # Two pipeline stages, one block each; every rank reads every batch, cut into 2 microbatches.
+    pipeline = ShardStrategy(stage=3, fp8=FP8, pipeline_parallel_size=2, microbatches=2)
+    out["pp2"] = _fit(pipeline, "sgd", DataLoader(token_dataset(), batch_size=PER_RANK))[0]
+    out["time"]["pp2"] = time.perf_counter() - start
     out["unreduced"] = _fit_with_unreduced_scales()  # last: it breaks the module for this process
     return out
 
@@ -156,7 +186,10 @@ def _reference_loader() -> DataLoader:
 @functools.lru_cache
 def reference(optimizer: str, fp8: bool) -> list[float]:
     """One process, the same torchao conversion, the ranks' halves as accumulated micro-batches."""
-    model = _model(optimizer)
+    return _one_process(_model(optimizer), fp8, _reference_loader(), accumulate=2)
+
+
+def _one_process(model: L.LightningModule, fp8: bool, data: DataLoader, accumulate: int) -> list[float]:
     if fp8:
         from lightning_shard.fp8 import check_fp8, convert
 
@@ -167,14 +200,15 @@ def reference(optimizer: str, fp8: bool) -> list[float]:
         callbacks=[recorder],
         **trainer_kwargs(
             max_steps=STEPS,
-            accumulate_grad_batches=2,
+            accumulate_grad_batches=accumulate,
             gradient_clip_val=CLIP,
             gradient_clip_algorithm="norm",
         ),
     )
-    trainer.fit(model, _reference_loader())
-    pairs = recorder.losses
-    return [pairs[i] + pairs[i + 1] for i in range(0, len(pairs), 2)]  # each recorded as loss / 2
+    trainer.fit(model, data)
+    losses = recorder.losses
+    # each micro-batch's loss recorded as loss / accumulate
+    return [sum(losses[i : i + accumulate]) for i in range(0, len(losses), accumulate)]
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +293,23 @@ def test_fp8_composes_with_stage1_checkpointing_compile_and_meta_init(job):
     torch.testing.assert_close(job["composed"], reference("sgd", fp8=True), rtol=1e-5, atol=0)
     plain = reference("adamw", fp8=False)
     torch.testing.assert_close(job["meta"], plain, rtol=5e-2, atol=0)  # other initial weights: same scale
+
+
+def test_fp8_tensor_parallel_equals_one_process(job):
+    """Tensor parallel: both ranks read every batch and each computes half of every split layer; torchao
+    scales each cast by its maximum over both halves, so the float8 matmuls are one process's."""
+    for name, (_, optimizer, biases) in TP2.items():
+        expected = _one_process(_model(optimizer, biases), True, loader(PER_RANK), accumulate=1)
+        torch.testing.assert_close(job[name], expected, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    plain = _one_process(_model("sgd", biases=False), False, loader(PER_RANK), accumulate=1)
+    assert job["tp2 stage 3, float8 styles"] != plain  # the float8 matmuls did run
+
+
+def test_fp8_pipeline_stages_equal_one_process(job):
+    """Each stage converts its own block's Linears; a float8 cast sees one microbatch, as one process
+    accumulating the same microbatches sees it."""
+    data = DataLoader(token_dataset(), batch_size=PER_RANK // 2)
+    torch.testing.assert_close(job["pp2"], _one_process(_model("sgd"), True, data, 2), rtol=1e-5, atol=0)
 
 
 def test_bench_fp8_smoke(tmp_path):

@@ -42,6 +42,26 @@ class ContextParallel:
         self.group, self.size, self.rank, self.method, self.mesh = group, size, rank, method, mesh
         self.seq_len: int | None = None
         self._ring: nn.Module | None = None
+        self._mask: tuple[tuple[Any, ...], Tensor] | None = None
+
+    def causal_mask(self, device: Any, dtype: torch.dtype) -> Tensor:
+        """The additive causal mask of this rank's queries over the group's keys, ``(T / c, T)``: 0 where
+        query ``i`` sees key ``j`` (``k_pos[j] <= q_pos[i]``), -inf elsewhere.
+
+        One tensor for every layer of the step: SDPA keeps its mask for backward (on CPU it turns a bool
+        mask into one of the query's dtype), so a mask built per layer would be kept once per layer.
+        """
+        assert self.seq_len is not None
+        key = (self.seq_len, self.size, self.rank, str(device), dtype)
+        if self._mask is None or self._mask[0] != key:
+            q_pos = chunk_positions(self.seq_len, self.size, self.rank, device)
+            k_pos = group_positions(self.seq_len, self.size, device)
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            mask = torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill_(
+                ~allowed, float("-inf")
+            )
+            self._mask = (key, mask)
+        return self._mask[1]
 
     def begin(self, seq_len: int) -> None:
         self.seq_len = seq_len
@@ -100,13 +120,9 @@ def _local(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale: float | Non
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
 
 
-def _masked(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, dropout_p: float, scale: float | None
-) -> Tensor:
-    """Attention with the causal mask of global positions: query ``i`` sees key ``j`` where ``k_pos[j] <=
-    q_pos[i]``."""
+def _masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, scale: float | None) -> Tensor:
+    """Attention under an additive mask ``(t_q, t_k)`` (:meth:`ContextParallel.causal_mask`)."""
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
-    mask = k_pos[None, :] <= q_pos[:, None]  # (t_q, t_k)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
@@ -152,9 +168,7 @@ def _allgather(
     assert cp.seq_len is not None
     k_all = _GatherSequence.apply(k, cp.group, cp.size)  # (b, h_kv, T, d)
     v_all = _GatherSequence.apply(v, cp.group, cp.size)
-    q_pos = chunk_positions(cp.seq_len, cp.size, cp.rank, q.device)
-    k_pos = group_positions(cp.seq_len, cp.size, q.device)
-    return _masked(q, k_all, v_all, q_pos, k_pos, dropout_p, scale)
+    return _masked(q, k_all, v_all, cp.causal_mask(q.device, q.dtype), dropout_p, scale)
 
 
 # --- Ulysses: all-to-all between a sequence split and a head split ---------------------------------
@@ -201,9 +215,13 @@ def _ulysses(
                 f" this attention has {heads} {name} heads (on this rank), not divisible by {cp.size}. Use"
                 " context_parallel_method='allgather', or a context_parallel_size that divides the head counts."
             )
-    q, k, v = (_AllToAll.apply(x, cp.group, cp.size, True) for x in (q, k, v))  # (b, h/c, T, d)
-    pos = group_positions(cp.seq_len, cp.size, q.device)
-    out = _masked(q, k, v, pos, pos, dropout_p, scale)
+    q, k, v = (_AllToAll.apply(x, cp.group, cp.size, True) for x in (q, k, v))  # (b, h/c, T, d), group order
+    # In the order of the positions the causal mask is the plain lower triangle: no (T, T) mask is built
+    # or kept for backward, only the permutation.
+    order = torch.argsort(group_positions(cp.seq_len, cp.size, q.device))  # group index of position p
+    q, k, v = (x.index_select(2, order) for x in (q, k, v))
+    out = _local(q, k, v, dropout_p, scale)  # (b, h/c, T, d), position order
+    out = out.index_select(2, torch.argsort(order))
     return _AllToAll.apply(out, cp.group, cp.size, False)
 
 

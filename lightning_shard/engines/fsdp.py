@@ -96,21 +96,26 @@ class FSDPEngine(Engine):
                 " there is nothing to shard or synchronise. Check requires_grad, or train without a strategy."
             )
         module = self.precision.convert_module(module)
+        if self.config.fp8 is not None:
+            # Before tensor parallelism, compile and sharding (torchtitan's order): the plan splits the
+            # Float8Linears with torchao's float8 styles, compile sees the float8 casts, and FSDP2 wraps the
+            # float8 weights (their gathers in float8). Once per module.
+            fp8.convert(module, self.config.fp8)
         if self.run.tp_mesh is not None and not getattr(module, _TP_APPLIED, False):
             # Layers split first, then FSDP2 shards over the data-parallel mesh (torch's 2-D order); a meta
             # module is split and sharded before anything is allocated. Once per module.
             plan = apply_tensor_parallel(module, self.run.tp_mesh, self.config.tensor_parallel_plan)
             setattr(module, _TP_APPLIED, True)
             log.info("ShardStrategy: tensor parallel over %d ranks: %s", self.run.tp_mesh.size(), plan)
-        if self.config.fp8 is not None:
-            # After tensor parallelism, before compile and sharding (torchtitan's order): compile sees the
-            # float8 casts, and FSDP2 wraps the float8 weights (their gathers in float8). Once per module.
-            fp8.convert(module, self.config.fp8)
         if self.config.compile is not None:
             self._compile(module)
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
+            if self.run.tp_mesh is not None:
+                # torchao's cast at the gather reduces a weight's maximum over the data-parallel shards, not
+                # the tensor-parallel slices: the first step's scales are computed from the whole weight too.
+                self._refresh_fp8_scales(module)
         elif self._replicates:
             self._materialize(module)
             module.to(self.run.device)

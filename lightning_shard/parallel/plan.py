@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -208,18 +209,22 @@ def _check_divisible(model: nn.Module, name: str, module: nn.Module, style: str,
                     )
 
 
-def to_styles(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, Any]:
-    """torch ``ParallelStyle`` objects for a resolved plan, with sequence parallelism's entry and exit."""
+def to_styles(model: nn.Module, resolved: Mapping[str, Any], float8_wire: bool = True) -> dict[str, Any]:
+    """torch ``ParallelStyle`` objects for a resolved plan, with sequence parallelism's entry and exit;
+    torchao's float8 styles for the ``Float8Linear`` layers they suit (``float8_wire``: the tensor-parallel
+    backend carries float8 tensors)."""
     sequence = [name for name, style in resolved.items() if style == "sequence"]
     region = _sequence_region(model, sequence) if sequence else []
     inside = tuple(f"{block}." for block in region)
     styles: dict[str, Any] = {}
     for name, style in resolved.items():
         split_seq = name.startswith(inside) if inside else False
+        float8 = _float8_styles(model.get_submodule(name), split_seq, float8_wire)
+        colwise, rowwise = float8 or (ColwiseParallel, RowwiseParallel)
         if style == "colwise":
-            styles[name] = ColwiseParallel(input_layouts=Shard(1)) if split_seq else ColwiseParallel()
+            styles[name] = colwise(input_layouts=Shard(1)) if split_seq else colwise()
         elif style == "rowwise":
-            styles[name] = RowwiseParallel(output_layouts=Shard(1)) if split_seq else RowwiseParallel()
+            styles[name] = rowwise(output_layouts=Shard(1)) if split_seq else rowwise()
         elif style == "sequence":
             styles[name] = SequenceParallel()
         else:
@@ -236,6 +241,37 @@ def to_styles(model: nn.Module, resolved: Mapping[str, Any]) -> dict[str, Any]:
             styles[first] = PrepareModuleInput(**enter, use_local_output=True)
             styles[last] = PrepareModuleOutput(**leave, use_local_output=True)
     return styles
+
+
+def _float8_styles(module: nn.Module, split_seq: bool, float8_wire: bool) -> tuple[type, type] | None:
+    """torchao's column / row styles for a ``Float8Linear`` (``ShardStrategy(fp8=...)`` converts before the
+    split, torchtitan's order), or ``None``: torch's styles.
+
+    They split the weight as torch's do; the layer's input is cast to float8 before its layout changes (with
+    sequence parallelism the all-gather of the activations carries float8), and its output gradient is
+    cast once, with one scale from its maximum over every rank's slice. torch's styles keep the layer as
+    ``Float8Linear`` too, which then casts the split operands itself with scales over every slice: the
+    same matmuls, in high precision on the wire. torch's styles are kept where torchao's would change the
+    result or cannot run:
+
+    - a layer scaled per row (``'rowwise'`` recipe): torchao's styles assume one scale per tensor;
+    - a layer with a bias: the bias gradient would be summed from the float8-cast output gradient
+      (``float8_e5m2``, 2 mantissa bits) instead of the high-precision one;
+    - a sequence-split input where the backend carries no float8 (gloo: ``RuntimeError: Invalid scalar
+      type`` in the all-gather of the float8 activations).
+    """
+    if type(module).__name__ != "Float8Linear" or getattr(module, "bias", None) is not None:
+        return None
+    if split_seq and not float8_wire:
+        return None
+    from torchao.float8.config import ScalingGranularity  # optional dependency (the fp8 extra)
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    config: Any = module.config
+    casts = (config.cast_config_input, config.cast_config_grad_output)
+    if any(cast.scaling_granularity != ScalingGranularity.TENSORWISE for cast in casts):
+        return None
+    return Float8ColwiseParallel, Float8RowwiseParallel
 
 
 def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
@@ -265,7 +301,8 @@ def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: PlanSpec | None) -> dict[str, Any]:
     """Split ``model``'s layers over ``tp_mesh`` (before FSDP2 shards them); returns the resolved plan."""
     resolved = resolve_plan(model, plan, tp_mesh.size())
-    parallelize_module(model, tp_mesh, to_styles(model, resolved))
+    float8_wire = dist.get_backend(tp_mesh.get_group()) != "gloo"  # gloo has no float8 dtype
+    parallelize_module(model, tp_mesh, to_styles(model, resolved, float8_wire))
     return resolved
 
 

@@ -58,11 +58,15 @@ def choose(
     replicate_size: int = 1,
     pipeline_parallel_size: int = 1,
     microbatches: int = 1,
+    context_parallel_size: int = 1,
+    context_parallel_method: str = "allgather",
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``.
 
     The mesh sizes are the strategy's, planned as fixed: with ``replicate_size > 1`` (HSDP) only
-    stages 2 and 3 are candidates.
+    stages 2 and 3 are candidates. With ``context_parallel_size`` = c the first batch's sequence (read
+    before the strategy cuts it) is planned as ``seq_len / c`` tokens per rank plus what the method's
+    attention keeps of the whole.
     """
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")
@@ -90,6 +94,8 @@ def choose(
         replicate_size=replicate_size,
         pipeline_parallel_size=pipeline_parallel_size,
         micro_batches=microbatches if pipeline_parallel_size > 1 else None,
+        context_parallel_size=context_parallel_size,
+        context_parallel_method=context_parallel_method,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -126,6 +132,8 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         replicate_size=config.replicate_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         microbatches=config.microbatches,
+        context_parallel_size=config.context_parallel_size,
+        context_parallel_method=config.context_parallel_method,
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointing.from_flag(chosen_policy)

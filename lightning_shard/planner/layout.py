@@ -10,6 +10,8 @@ bytes, P_c = parameter bytes in the compute dtype::
     stage 2   reduce-scatter G + one all-gather          (N-1)/N · (G + P_c)
     stage 3   reduce-scatter G + all-gather twice        (N-1)/N · (G + 2 P_c)   (forward and backward)
 
+With ``fp8`` the converted Linears' weights are gathered in float8 at stages 2-3: 1 byte each in P_c.
+
 A pipeline of p stages and m micro-batches idles ``(p-1)/(m+p-1)`` of each step (GPipe and 1F1B
 alike): the first stage waits p-1 slots for the last to start, and the last drains p-1 slots.
 
@@ -71,11 +73,14 @@ class Communication:
     step_seconds: float
 
 
-def communication(s: Setting, stage: int, bandwidth: float) -> Communication:
+def communication(s: Setting, stage: int, bandwidth: float, float8_params: int = 0) -> Communication:
+    """``float8_params``: parameters FSDP gathers in float8 (``ShardStrategy(fp8=...)`` at stages 2-3, the
+    converted Linears' weights), 1 byte each in P_c instead of the compute dtype's."""
     p, c, reduce = PRECISION_BYTES[s.precision]
     mp = s.tp * s.pp
     grad = s.shape.trainable / mp * reduce
-    gather = s.shape.params / mp * (c if c < p else p)
+    float8 = min(float8_params, s.shape.params) if stage >= 2 else 0
+    gather = ((s.shape.params - float8) * (c if c < p else p) + float8) / mp
     traffic = step_traffic(stage, grad, s.shape.params / mp * p, gather, s.world_size)
     return Communication(
         bandwidth=bandwidth,

@@ -57,6 +57,10 @@ class Config:
     """Pipeline stages (the outermost mesh dimension); 1 is none."""
     microbatches: int | None = None
     """With pipeline stages: the pieces each batch is cut into (None: the strategy's default)."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is cut over (:mod:`lightning_shard.context_parallel`); 1 is none."""
+    context_parallel_method: str = "allgather"
+    """How attention runs across the cut sequence: ``"allgather"``, ``"ulysses"`` or ``"ring"``."""
 
     @property
     def offloads(self) -> int:
@@ -84,9 +88,16 @@ class Config:
         kwargs: dict[str, Any] = {"stage": self.stage}
         if engine != "auto":
             kwargs["engine"] = engine
-        for size in ("replicate_size", "tensor_parallel_size", "pipeline_parallel_size"):
+        for size in (
+            "replicate_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "context_parallel_size",
+        ):
             if getattr(self, size) != 1:
                 kwargs[size] = getattr(self, size)
+        if self.context_parallel_size > 1 and self.context_parallel_method != "allgather":
+            kwargs["context_parallel_method"] = self.context_parallel_method
         if self.pipeline_parallel_size > 1 and self.microbatches is not None:
             kwargs["microbatches"] = self.microbatches
         for flag in ("offload_optimizer", "offload_params", "activation_checkpointing"):
@@ -193,8 +204,9 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     acts = 0.0
     if s.micro_batch and s.seq_len:
         r = p  # under autocast the residual stream keeps the stored dtype (fp32 in mixed precision)
-        acts = activation_bytes(s.shape, s.micro_batch, s.seq_len, ckpt, r, c, s.tp)
-        tokens = s.micro_batch * s.seq_len
+        cp, method = config.context_parallel_size, config.context_parallel_method
+        acts = activation_bytes(s.shape, s.micro_batch, s.seq_len, ckpt, r, c, s.tp, cp, method)
+        tokens = s.micro_batch * s.seq_len / cp  # each rank of a context-parallel group holds T / cp of them
         if ckpt != "none" and s.shape.layers:
             kept = block_activation_bytes(s.shape, ckpt, r, c)
             detail["recompute"] = int(tokens * (block_activation_bytes(s.shape, "none", r, c) - kept) / s.tp)
@@ -248,6 +260,8 @@ def candidates(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     microbatches: int | None = None,
+    context_parallel_size: int = 1,
+    context_parallel_method: str = "allgather",
 ) -> list[Config]:
     """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path).
 
@@ -260,7 +274,16 @@ def candidates(
     ckpt_choices: tuple[Checkpointing, ...] = CHECKPOINTING if checkpointing == "auto" else (checkpointing,)
     return [
         Config(
-            stage, opt, par, ckpt, replicate_size, tensor_parallel_size, pipeline_parallel_size, microbatches
+            stage,
+            opt,
+            par,
+            ckpt,
+            replicate_size,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            microbatches,
+            context_parallel_size,
+            context_parallel_method,
         )
         for stage in stages
         for opt in opt_choices

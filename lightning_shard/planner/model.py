@@ -246,15 +246,44 @@ def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: in
 
 
 def activation_bytes(
-    shape: ModelShape, micro_batch: int, seq_len: int, mode: Checkpointing, r: int, c: int, tp: int = 1
+    shape: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    mode: Checkpointing,
+    r: int,
+    c: int,
+    tp: int = 1,
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> float:
     """Bytes the forward pass leaves for backward on one device.
 
     ``tokens x (L x block + outside)`` where outside is the final norm's input h·r, its statistics,
     its output h·c and the logits V·c. With tensor parallelism ``tp`` (and sequence parallelism) every
     term is split ``tp`` ways. With a 1F1B pipeline the first stage holds ``p`` micro-batches of
-    ``L / p`` layers, so the total is the same as without a pipeline.
+    ``L / p`` layers, so the total is the same as without a pipeline. Context parallelism ``cp`` cuts
+    the sequence: every term is for ``T / cp`` tokens, plus what attention across the group keeps
+    (:func:`context_parallel_attention_bytes`).
     """
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len / cp
     outside = shape.hidden * (r + c) + 8 + shape.vocab * c
-    return tokens * (shape.layers * block_activation_bytes(shape, mode, r, c) + outside) / tp
+    local = tokens * (shape.layers * block_activation_bytes(shape, mode, r, c) + outside) / tp
+    return local + context_parallel_attention_bytes(shape, micro_batch, seq_len, mode, c, cp, cp_method)
+
+
+def context_parallel_attention_bytes(
+    shape: ModelShape, micro_batch: int, seq_len: int, mode: Checkpointing, c: int, cp: int, method: str
+) -> float:
+    """What attention across a context-parallel group of ``cp`` ranks keeps per rank beyond its ``T / cp``
+    tokens' share (none under full recompute, which keeps only each block's input):
+
+        allgather: L·b·2h·c·T  (each layer's gathered keys and values: T tokens, as many heads as queries)
+                   + (T / cp)·T·c  (the additive causal mask of this rank's queries over the global
+                   positions, one for every layer of the step)
+        ulysses:   0  (the all-to-all trades T / cp tokens of h heads for T tokens of h / cp heads, and the
+                   attention runs causal in position order, with no mask)
+        ring:      0  (the blocks of keys and values pass through; torch keeps only its own chunk's)
+    """
+    if cp == 1 or mode == "full" or method != "allgather":
+        return 0.0
+    return shape.layers * micro_batch * 2 * shape.hidden * c * seq_len + seq_len / cp * seq_len * c

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_shard.planner import mesh
 from lightning_shard.planner.accepted import StrategyCheck
+from lightning_shard.planner.float8 import float8_gathered_params
 from lightning_shard.planner.layout import Layout, communication, suggest_layout
 from lightning_shard.planner.memory import (
     CHECKPOINTING,
@@ -81,6 +82,11 @@ def _validate(args: dict[str, Any]) -> None:
         "pipeline_parallel_size",
     ):
         _positive(name, args[name], allow_none=True)
+    if args["context_parallel_size"] != "auto":
+        _positive("context_parallel_size", args["context_parallel_size"], allow_none=True)
+    _check_choice(
+        "context_parallel_method", args["context_parallel_method"], ("allgather", "ulysses", "ring")
+    )
     _check_choice("precision", args["precision"], tuple(PRECISION_BYTES))
     _check_choice("optimizer", args["optimizer"], tuple(OPTIMIZER_STATES))
     _check_choice("stage", args["stage"], (0, 1, 2, 3, "auto"))
@@ -135,6 +141,9 @@ def plan(
     tensor_parallel_size: int | None = None,
     replicate_size: int | None = None,
     pipeline_parallel_size: int | None = None,
+    context_parallel_size: int | Auto | None = None,
+    context_parallel_method: str = "allgather",
+    fp8: Any = False,
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -151,6 +160,14 @@ def plan(
     microbatch of the ``micro_batches`` a batch is cut into), and ``replicate_size > 1`` limits the
     recommendation to stages 2-3.
 
+    ``context_parallel_size`` fixes the ranks each sequence is cut over (activations of ``seq_len / c``
+    tokens, plus what ``context_parallel_method``'s attention keeps of the whole sequence; None is 1);
+    ``"auto"`` (the CLI's default) cuts only when nothing fits without it: the smallest power of two that
+    divides the data-parallel ranks and makes the recommendation fit is taken, with a note (see :func:`_with_cp`).
+
+    ``fp8`` is ``ShardStrategy(fp8=...)``'s flag: at stages 2-3 the converted Linears' weights are gathered
+    in float8, 1 byte each, in the data-parallel traffic (see :mod:`.float8`).
+
     Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
     (with ``engine`` and ``nvme_path`` as given), so a recommendation always constructs a
     ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
@@ -161,8 +178,17 @@ def plan(
     )
     tp, replicas, pp = tensor_parallel_size or 1, replicate_size or 1, pipeline_parallel_size or 1
     mesh.check_sizes(world_size, tp, replicas, pp=pp)
+    cp = context_parallel_size if isinstance(context_parallel_size, int) else 1
+    if (world_size // (tp * replicas * pp)) % cp:
+        raise PlanInputError(
+            f"plan(context_parallel_size={cp}) does not divide the {world_size // (tp * replicas * pp)} ranks"
+            " of a shard group (world_size / (tensor_parallel_size x replicate_size x pipeline_parallel_size))."
+            " Use a context_parallel_size that divides them."
+        )
     memory = parse_size(device_memory, "device_memory")
     dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "ffn": ffn}
+    if fp8 and module is None and model is not None:
+        module = build_on_meta(model, init_args)  # the Linears fp8 converts are counted on it
     shape = _shape(module, model, init_args, params, dims)
     seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
     usable = int(memory * (1 - margin))
@@ -178,6 +204,8 @@ def plan(
         tp,
         pp,
         micro_batches,
+        cp,
+        context_parallel_method,
     )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
     # With replicate_size > 1 the strategy refuses stages 0-1 (their rows read n/a): never recommended.
@@ -195,11 +223,16 @@ def plan(
         if not fixed_mesh:
             fixed = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params}
             recommended, setting, mesh_notes = _mesh(recommended, setting, grid, fixed, check)
+    if context_parallel_size == "auto" and recommended is not None and not recommended.fits:
+        cp_row, cp_notes = _with_cp(allowed, setting, check)
+        if cp_row is not None:
+            recommended, mesh_notes = cp_row, cp_notes
     comm = None
     if recommended is not None and world_size > 1:
         # Over every data-parallel rank, as if flat: HSDP's shard groups do not change it here.
         data_parallel = replace(setting, world_size=world_size // (setting.tp * setting.pp))
-        comm = communication(data_parallel, recommended.config.stage, bw)
+        stage_ = recommended.config.stage
+        comm = communication(data_parallel, stage_, bw, float8_gathered_params(fp8, stage_, module, shape))
     notes = _notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check) + mesh_notes
     return Plan(
         model=shape,
@@ -243,6 +276,34 @@ def _mesh(
         row, hsdp_notes = mesh.with_hsdp(row, setting, grid.gpus_per_node, check)
         notes += hsdp_notes
     return row, setting, notes
+
+
+def _with_cp(
+    rows: list[Breakdown], setting: Setting, check: StrategyCheck
+) -> tuple[Breakdown | None, list[str]]:
+    """The cheapest of ``rows`` (mesh kept) with the sequence cut over the fewest ranks that make it fit.
+
+    Context parallelism divides each sequence's activations by ``c`` (not the model state), at the cost
+    of attention's collectives every layer, so it is taken only when nothing fits without it; ``c`` runs
+    over the powers of two dividing the shard group's ranks (the strategy's rule) for which the sequence
+    cuts into ``2c`` equal chunks. The method is ``"allgather"``, which runs on any backend and head count.
+    """
+    seq = setting.seq_len
+    if not setting.micro_batch or not seq:
+        return None, []
+    c = 2
+    while setting.world_size % c == 0 and seq % (2 * c) == 0:
+        cut = [check.judge(breakdown(setting, replace(row.config, context_parallel_size=c))) for row in rows]
+        best = cheapest(cut)
+        if best is not None and best.fits:
+            note = (
+                f"Context parallelism: one sequence's activations do not fit on one device; cut over {c} ranks"
+                f" ({seq // c} tokens each, keys and values all-gathered), {best.strategy_line} fits in"
+                f" {format_bytes(best.total)}. Pad sequences to a multiple of {2 * c} (docs/context_parallel.md)."
+            )
+            return best, [note]
+        c *= 2
+    return None, []
 
 
 def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None) -> list[str]:
@@ -309,6 +370,8 @@ def choose_stage(
     replicate_size: int = 1,
     pipeline_parallel_size: int = 1,
     micro_batches: int | None = None,
+    context_parallel_size: int = 1,
+    context_parallel_method: str = "allgather",
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
@@ -318,7 +381,9 @@ def choose_stage(
     the strategy accepts; ``"auto"`` ones are searched. The mesh sizes are the strategy's own, kept
     fixed: each rank holds 1 / (``tensor_parallel_size`` x ``pipeline_parallel_size``) of the model
     (``micro_batch`` is then one of the pipeline's ``micro_batches``), and with ``replicate_size > 1``
-    (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed. If nothing fits, ``plan.recommended`` is the
+    (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed; with
+    ``context_parallel_size`` > 1 each rank's activations are those of ``seq_len / c`` tokens plus what the
+    method's attention keeps of the whole sequence. If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
     """
@@ -340,4 +405,6 @@ def choose_stage(
         replicate_size=replicate_size,
         pipeline_parallel_size=pipeline_parallel_size,
         micro_batches=micro_batches,
+        context_parallel_size=context_parallel_size,
+        context_parallel_method=context_parallel_method,
     )

@@ -1,0 +1,69 @@
+"""The planner's context-parallel dimension: activations of T / c tokens plus what attention across the group
+keeps, ``stage="auto"`` fed the strategy's size, and the CLI cutting a sequence that does not fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_shard.cli import main
+from lightning_shard.planner import plan
+from lightning_shard.units import PlanInputError
+
+# Llama-3-8B's shape: one 131072-token sequence's activations do not fit an 80 GB device.
+LLAMA = dict(params="8e9", layers=32, hidden=4096, vocab=128256, device_memory="80GB", world_size=8)
+
+
+def _acts(seq: int, cp: int | None, method: str = "allgather") -> int:
+    row = plan(
+        **LLAMA,
+        seq_len=seq,
+        stage=0,
+        activation_checkpointing="none",
+        context_parallel_size=cp,
+        context_parallel_method=method,
+    ).recommended
+    assert row is not None
+    return row.activations
+
+
+def test_activations_divide_by_cp_and_allgather_counts_keys_values_and_mask():
+    one, ulysses = _acts(8192, None), _acts(8192, 2, "ulysses")
+    assert ulysses == pytest.approx(one / 2, rel=1e-6)
+    # allgather: each layer's gathered keys and values (T tokens, bf16) and one (T/2, T) mask of the step.
+    extra = 32 * 2 * 4096 * 2 * 8192 + 4096 * 8192 * 2
+    assert _acts(8192, 2) - ulysses == pytest.approx(extra, rel=1e-6)
+
+
+def test_cp_fixed_by_the_caller_is_in_the_line_and_must_divide_the_shard_group():
+    result = plan(**LLAMA, seq_len=131072, context_parallel_size=4, context_parallel_method="ulysses")
+    assert 'context_parallel_size=4, context_parallel_method="ulysses"' in str(result.strategy)
+    with pytest.raises(PlanInputError, match=r"context_parallel_size=3\) does not divide the 8 ranks"):
+        plan(**LLAMA, seq_len=131072, context_parallel_size=3)
+    with pytest.raises(PlanInputError, match=r"context_parallel_method='zigzag'\) is not one of"):
+        plan(**LLAMA, seq_len=131072, context_parallel_method="zigzag")
+
+
+def test_stage_auto_plans_the_cut_sequence():
+    from lightning_shard.demos import GPT
+    from lightning_shard.planner.search import choose_stage
+
+    gpt = GPT(seq_len=16384, d_model=64, n_layers=2)
+    args = (gpt, 2, 6 * 2**30, "32-true", 1, 16384)
+    whole = choose_stage(*args, activation_checkpointing="none")
+    cut = choose_stage(
+        *args, activation_checkpointing="none", context_parallel_size=2, context_parallel_method="ulysses"
+    )
+    assert cut.recommended.activations == pytest.approx(whole.recommended.activations / 2, rel=1e-6)
+    assert cut.strategy_kwargs()["context_parallel_size"] == 2
+
+
+def test_cli_recommends_context_parallel_when_one_sequence_does_not_fit(capsys):
+    argv = ["plan", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--vocab", "128256"]
+    assert main([*argv, "--devices", "8", "--gpu-mem", "80GB", "--seq-len", "131072"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("recommended:"))
+    assert "context_parallel_size=4" in line and ": fits)" in line
+    assert "Context parallelism: one sequence's activations do not fit" in out
+    # Short sequences fit without it: no cut is recommended.
+    assert main([*argv, "--devices", "8", "--gpu-mem", "80GB", "--seq-len", "4096"]) == 0
+    assert "context_parallel_size" not in capsys.readouterr().out
