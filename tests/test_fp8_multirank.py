@@ -127,6 +127,8 @@ def _job(directory: str) -> dict[str, Any]:
     out["composed"] = _fit(composed, "sgd")[0]
     out["time"]["composed"] = time.perf_counter() - start
     out["meta"] = _fit_on_meta()
+    # init_weights: other full weights read into the converted, sharded model (saved by the test process)
+    out["init_weights"] = _fit(ShardStrategy(stage=3, fp8=FP8, init_weights=_init_path(directory)), "sgd")[0]
     for name, (flags, optimizer, biases) in TP2.items():
         start = time.perf_counter()
         strategy = ShardStrategy(fp8=FP8, tensor_parallel_size=2, **flags)  # type: ignore[arg-type]
@@ -211,9 +213,23 @@ def _one_process(model: L.LightningModule, fp8: bool, data: DataLoader, accumula
     return [sum(losses[i : i + accumulate]) for i in range(0, len(losses), accumulate)]
 
 
+def _init_path(directory: str) -> Path:
+    return Path(directory) / "init_weights.pt"
+
+
+def _other_weights() -> dict[str, torch.Tensor]:
+    """The tests' GPT's weights, moved: what ``init_weights`` must load in place of the model's own."""
+    generator = torch.Generator().manual_seed(7)
+    state = _model("sgd").state_dict()
+    moved = {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    moved["model.head.weight"] = moved["model.tok_emb.weight"]  # tied: one tensor under two names
+    return moved
+
+
 @pytest.fixture(scope="module")
 def job() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as directory:
+        torch.save(_other_weights(), _init_path(directory))
         start = time.perf_counter()
         result = run_ranks(_job, directory)[0]
         result["time"]["job"] = time.perf_counter() - start
@@ -293,6 +309,43 @@ def test_fp8_composes_with_stage1_checkpointing_compile_and_meta_init(job):
     torch.testing.assert_close(job["composed"], reference("sgd", fp8=True), rtol=1e-5, atol=0)
     plain = reference("adamw", fp8=False)
     torch.testing.assert_close(job["meta"], plain, rtol=5e-2, atol=0)  # other initial weights: same scale
+
+
+def test_init_weights_fills_the_converted_shards(job):
+    model = _model("sgd")
+    model.load_state_dict(_other_weights())
+    expected = _one_process(model, True, _reference_loader(), accumulate=2)
+    torch.testing.assert_close(job["init_weights"], expected, rtol=1e-5, atol=0)
+    assert abs(job["init_weights"][0] - reference("sgd", fp8=True)[0]) > 1e-4  # the moved weights were loaded
+
+
+def _hsdp_job() -> dict[str, list[float]]:
+    """4 ranks: ZeRO-3 over all four, and HSDP (2 replicas of 2 shards), with and without fp8."""
+    runs = {
+        "fsdp4": ShardStrategy(stage=3, fp8=FP8),
+        "hsdp": ShardStrategy(stage=3, replicate_size=2, fp8=FP8),
+    }
+    runs["hsdp plain"] = ShardStrategy(stage=3, replicate_size=2)
+    out = {}
+    for name, strategy in runs.items():
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=4,
+            strategy=strategy,
+            callbacks=[recorder],
+            **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"),
+        )
+        trainer.fit(_model("sgd"), loader(PER_RANK))
+        out[name] = recorder.losses
+    return out
+
+
+def test_hsdp_with_fp8_equals_zero3_over_the_same_ranks():
+    # The same 4 data-parallel ranks and batches: the float8 scales (all-reduced over both mesh dimensions)
+    # and so the losses are those of ZeRO-3 over all four.
+    out = run_ranks(_hsdp_job, world_size=4)[0]
+    torch.testing.assert_close(out["hsdp"], out["fsdp4"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(out["hsdp"], out["hsdp plain"], rtol=BAND, atol=0)
 
 
 def test_fp8_tensor_parallel_equals_one_process(job):
