@@ -157,10 +157,13 @@ class SavedBytes:
         return tensor
 
 
-def cpu_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2) -> L.Trainer:
+def cpu_trainer(
+    strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2, **kwargs: Any
+) -> L.Trainer:
     """A quiet CPU Trainer on ``devices`` ranks for ``steps`` steps: no logger, checkpoints, progress bar or
-    summary."""
+    summary (``kwargs``: other Trainer arguments, e.g. ``precision``)."""
     return L.Trainer(
+        **kwargs,
         accelerator="cpu",
         devices=devices,
         strategy=strategy,

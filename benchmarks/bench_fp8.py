@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _common import MODEL, token_loader
+from _common import MODEL, cpu_trainer, token_loader
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule
@@ -51,18 +51,7 @@ def _fit(model: dict[str, Any], steps: int, precision: str, fp8: Any) -> dict[st
     from lightning_shard.engines._gloo import traffic
 
     recorder = _Losses()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardStrategy(stage=3, fp8=fp8),
-        precision=precision,  # type: ignore[arg-type]
-        max_steps=steps,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(ShardStrategy(stage=3, fp8=fp8), steps, [recorder], precision=precision)
     torch.manual_seed(0)
     module = GPTModule(**model, lr=1e-3, max_steps=steps)
     traffic.reset()
