@@ -270,12 +270,6 @@ def _check_context_parallel(size: Any, method: Any, engine: str, tp: int, pp: in
             " the loss by the targets each rank holds, and its stages pass activations of one fixed shape. Use"
             " one of the two."
         )
-    if tp > 1:
-        raise ValueError(
-            f"ShardStrategy(context_parallel_size={size}, tensor_parallel_size={tp}) is not supported yet:"
-            " sequence-parallel norms and the cut sequence both split dim 1. Use context_parallel_size with data"
-            " parallelism (any stage) and HSDP, or tensor parallelism alone."
-        )
 
 
 def _check_init_weights(path: Any) -> None:

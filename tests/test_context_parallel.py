@@ -97,7 +97,6 @@ def test_the_mesh_grows_a_cp_dimension_inside_data_parallel():
             dict(context_parallel_size=2, pipeline_parallel_size=2),
             "a pipeline schedule replaces training_step",
         ),
-        (dict(context_parallel_size=2, tensor_parallel_size=2, stage=3), "not supported yet"),
     ],
 )
 def test_flags_cp_cannot_serve_are_refused(flags, match):

@@ -19,7 +19,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import LossRecorder, loader, tiny_gpt, tiny_llama_config, token_dataset, trainer_kwargs
+from tests.helpers import (
+    SEQ,
+    LossRecorder,
+    loader,
+    tiny_gpt,
+    tiny_llama_config,
+    token_dataset,
+    trainer_kwargs,
+)
 from tests.helpers import _world as world_of
 from tests.test_parity_multirank import CLIP, reference, sgd_gpt
 
@@ -112,15 +120,31 @@ def _fit(
     return recorder.losses
 
 
-def _gpt_data(cp: int, n: int = 64) -> DataLoader:
-    return loader(
-        8 * cp // _world(), n, tensor_parallel_size=cp
-    )  # the ranks of a cp group read the same rows
+def _gpt_data(cp: int, n: int = 64, tp: int = 1) -> DataLoader:
+    group = cp * tp  # the ranks of a cp x tp group read the same rows
+    return loader(8 * group // _world(), n, tensor_parallel_size=group)
 
 
-def _llama_data(cp: int) -> DataLoader:
-    dp = _world() // cp
-    return dict_loader(8 // dp, dp, _rank() // cp)
+def _llama_data(cp: int, tp: int = 1) -> DataLoader:
+    dp = _world() // (cp * tp)
+    return dict_loader(8 // dp, dp, _rank() // (cp * tp))
+
+
+class Seen(L.Callback):
+    """What acted on rank 0's model: the tokens its first embedding read per step (the cut sequence), and the
+    mesh dimensions its 2-D weights are split over (tensor parallelism's ``tp`` among them)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.tp_weights = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        embedding = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Embedding))
+        embedding.register_forward_pre_hook(lambda _, args: self.tokens.append(args[0].shape[-1]))
+        for p in pl_module.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None and p.dim() == 2 and "tp" in (mesh.mesh_dim_names or ()):
+                self.tp_weights += 1
 
 
 def _gpt(optimizer: str) -> L.LightningModule:
@@ -148,11 +172,18 @@ TWO_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _run(model: str, optimizer: str, flags: dict[str, Any], cp: int = 2) -> list[float]:
+def _run(model: str, optimizer: str, flags: dict[str, Any], cp: int = 2) -> Any:
     strategy = ShardStrategy(context_parallel_size=cp, **flags)
-    if model == "gpt":
-        return _fit(_gpt(optimizer), _gpt_data(cp), strategy)
-    return _fit(Llama(optimizer), _llama_data(cp), strategy)
+    tp = flags.get("tensor_parallel_size", 1)
+    if tp == 1:
+        if model == "gpt":
+            return _fit(_gpt(optimizer), _gpt_data(cp), strategy)
+        return _fit(Llama(optimizer), _llama_data(cp), strategy)
+    seen = Seen()
+    module = _gpt(optimizer) if model == "gpt" else Llama(optimizer)
+    data = _gpt_data(cp, tp=tp) if model == "gpt" else _llama_data(cp, tp)
+    losses = _fit(module, data, strategy, callbacks=[seen])
+    return {"losses": losses, "tokens": sorted(set(seen.tokens)), "tp weights": seen.tp_weights}
 
 
 def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
@@ -215,6 +246,11 @@ FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt ulysses cp2 x dp2 stage 0 sgd": ("gpt", "sgd", dict(stage=0, context_parallel_method="ulysses")),
     "gpt allgather cp2 x dp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2)),
     "llama allgather cp2 x dp2 stage 3 sgd": ("llama", "sgd", dict(stage=3)),
+    # CP2 x TP2: tensor parallelism (sequence-parallel norms in the GPT) inside each cp rank's chunks.
+    "gpt allgather cp2 x tp2 stage 3 sgd": ("gpt", "sgd", dict(stage=3, tensor_parallel_size=2)),
+    "gpt allgather cp2 x tp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2, tensor_parallel_size=2)),
+    "llama allgather cp2 x tp2 stage 3 sgd": ("llama", "sgd", dict(stage=3, tensor_parallel_size=2)),
+    "llama allgather cp2 x tp2 stage 0 adamw": ("llama", "adamw", dict(stage=0, tensor_parallel_size=2)),
 }
 
 
@@ -229,8 +265,12 @@ def _four_ranks(ckpt: str) -> dict[str, Any]:
 def test_cp2_x_dp2_follows_one_process_and_resumes_a_cp2_checkpoint(two_ranks, refs):
     _, ckpt_dir = two_ranks
     results = run_ranks(_four_ranks, os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"), world_size=4)[0]
-    for name, (model, optimizer, _flags) in FOUR_RANKS.items():
-        _close(results[name], refs[f"{model} {optimizer}"], name)
+    for name, (model, optimizer, flags) in FOUR_RANKS.items():
+        result = results[name]
+        if "tensor_parallel_size" in flags:  # both acted: the model read half the tokens, its weights split
+            assert result["tokens"] == [SEQ // 2] and result["tp weights"] > 0, (name, result)
+            result = result["losses"]
+        _close(result, refs[f"{model} {optimizer}"], name)
     _close(results["resumed at cp=2 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=2 x dp=2")
 
 

@@ -212,7 +212,8 @@ def _ulysses(
         if heads % cp.size:
             raise ValueError(
                 f"context_parallel_method='ulysses' splits the heads over the {cp.size} ranks of the group, but"
-                f" this attention has {heads} {name} heads (on this rank), not divisible by {cp.size}. Use"
+                f" this attention has {heads} {name} heads on this rank (after tensor parallelism's split, if any),"
+                f" not divisible by {cp.size}. Use"
                 " context_parallel_method='allgather', or a context_parallel_size that divides the head counts."
             )
     q, k, v = (_AllToAll.apply(x, cp.group, cp.size, True) for x in (q, k, v))  # (b, h/c, T, d), group order
