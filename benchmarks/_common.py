@@ -161,10 +161,9 @@ def cpu_trainer(
     strategy: Any, steps: int, callbacks: list[L.Callback], devices: int = 2, **kwargs: Any
 ) -> L.Trainer:
     """A quiet CPU Trainer on ``devices`` ranks for ``steps`` steps: no logger, checkpoints, progress bar or
-    summary (``kwargs``: other Trainer arguments, e.g. ``precision``)."""
+    summary (``kwargs``: other Trainer arguments, e.g. ``precision``, or ``accelerator="cuda"``)."""
     return L.Trainer(
-        **kwargs,
-        accelerator="cpu",
+        **{"accelerator": "cpu"} | kwargs,
         devices=devices,
         strategy=strategy,
         max_steps=steps,

@@ -122,13 +122,8 @@ class ShardConfig(ShardFlags):
         _check_init_weights(init_weights)
         plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
-        _check_context_parallel(
-            flags.context_parallel_size,
-            flags.context_parallel_method,
-            engine_name,
-            tensor_parallel_size,
-            pipeline_parallel_size,
-        )
+        _check_context_parallel(flags.context_parallel_size, flags.context_parallel_method)
+        _check_tiling(flags.tiled_mlp, flags.tiled_loss, pipeline_parallel_size)
         compile_kwargs = check_compile(flags.compile, engine_name)
         fp8 = check_fp8(flags.fp8, engine_name, stage, tensor_parallel_size)
         compression = check_compression(
@@ -239,7 +234,7 @@ def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -
     return checked
 
 
-def _check_context_parallel(size: Any, method: Any, engine: str, tp: int, pp: int) -> None:
+def _check_context_parallel(size: Any, method: Any) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(
             f"ShardStrategy(context_parallel_size={size!r}) must be an integer >= 1 (1: off): the ranks each"
@@ -256,19 +251,19 @@ def _check_context_parallel(size: Any, method: Any, engine: str, tp: int, pp: in
                 f"ShardStrategy(context_parallel_method={method!r}) is only used with context_parallel_size > 1"
                 " (got 1). Set context_parallel_size, or drop context_parallel_method."
             )
-        return
-    if engine == "deepspeed":
+
+
+def _check_tiling(tiled_mlp: Any, tiled_loss: Any, pp: int) -> None:
+    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_loss", tiled_loss)):
+        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+            raise ValueError(
+                f"ShardStrategy({name}={value!r}) must be True, False or a number of tokens per tile >= 1."
+            )
+    if tiled_loss is not False and pp > 1:
         raise ValueError(
-            f"ShardStrategy(context_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
-            " engine= or by NVMe / optimizer-only CPU offload). Use engine='fsdp': FSDP2 shards over the"
-            " data-parallel x context-parallel ranks."
-        )
-    if pp > 1:
-        raise ValueError(
-            f"ShardStrategy(context_parallel_size={size}, pipeline_parallel_size={pp}) cannot run: a pipeline"
-            " schedule replaces training_step, where the strategy cuts each batch along the sequence and weights"
-            " the loss by the targets each rank holds, and its stages pass activations of one fixed shape. Use"
-            " one of the two."
+            f"ShardStrategy(tiled_loss={tiled_loss!r}, pipeline_parallel_size={pp}) cannot run: with pipeline"
+            " stages the last stage hands the logits to pipeline_loss, so there is no head-and-loss call to"
+            " tile. Drop tiled_loss (tiled_mlp works with stages), or use pipeline_parallel_size=1."
         )
 
 

@@ -185,8 +185,7 @@ class ShardFlags:
         "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
         " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
         " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
-        "parallel/mesh.py, core/transform.py, context_parallel/, trainer/_steps.py",
-        trainer_only=True,
+        "parallel/mesh.py, core/transform.py, context_parallel/, trainer/_steps.py, fabric/_context_parallel.py",
     )
     context_parallel_method: ContextParallelMethod = _flag(
         "allgather",
@@ -194,7 +193,20 @@ class ShardFlags:
         " ``'ulysses'`` (all-to-all over heads: head counts divisible by the size), ``'ring'`` (torch's ring"
         " attention, CUDA only).",
         "context_parallel/attention.py",
-        trainer_only=True,
+    )
+    tiled_mlp: bool | int = _flag(
+        False,
+        "``True`` or a number of sequence positions: run each MLP (modules named ``mlp`` / ``feed_forward`` /"
+        " ``ffn``) a tile of positions at a time, each tile recomputed in backward, so one tile's hidden units"
+        " exist at a time (``True``: as many positions as the model is wide; docs/context_parallel.md).",
+        "tiling.py, core/transform.py",
+    )
+    tiled_loss: bool | int = _flag(
+        False,
+        "``True`` or a number of tokens: compute the output head and the cross-entropy a tile of tokens at a"
+        " time (Hugging Face causal LMs given labels, and modules with a ``loss_tile`` attribute), so the"
+        " logits are never whole (``True``: one tile's logits as large as the hidden states).",
+        "tiling.py, core/transform.py",
     )
     compile: bool | dict[str, Any] = _flag(
         False,

@@ -188,3 +188,27 @@ def test_bench_cp_smoke(tmp_path):
     assert 0.5 < allgather["ratio_to_cp1"] < 0.8
     assert report["longest_sequence_in_budget"]["cp2/ulysses"] == {"measured": 512, "planned": 512}
     assert report["longest_sequence_in_budget"]["cp1"]["measured"] is None
+
+
+def test_bench_tiling_smoke(tmp_path):
+    """The tiled MLP and loss keep less than half the activation bytes at 512 tokens (the MLP's hidden units
+    and the logits are cut into tiles), so a longer sequence fits the same budget."""
+    out = tmp_path / "tiling.json"
+    args = (
+        "--seq-lens",
+        "256",
+        "512",
+        "--vocab",
+        "2048",
+        "--steps",
+        "1",
+        "--budget",
+        "20MiB",
+        "--out",
+        str(out),
+    )
+    run = run_benchmark("bench_tiling.py", *args)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["results"]["tiled"]["512"]["memory_ratio_to_untiled"] < 0.55
+    assert report["longest_sequence_in_budget"] == {"untiled": 256, "tiled": 512}

@@ -92,11 +92,6 @@ def test_the_mesh_grows_a_cp_dimension_inside_data_parallel():
         (dict(context_parallel_size=0), "must be an integer >= 1"),
         (dict(context_parallel_size=2, context_parallel_method="zigzag"), "is unknown"),
         (dict(context_parallel_method="ulysses"), "only used with context_parallel_size > 1"),
-        (dict(context_parallel_size=2, engine="deepspeed"), "not available with the DeepSpeed engine"),
-        (
-            dict(context_parallel_size=2, pipeline_parallel_size=2),
-            "a pipeline schedule replaces training_step",
-        ),
     ],
 )
 def test_flags_cp_cannot_serve_are_refused(flags, match):
@@ -104,11 +99,40 @@ def test_flags_cp_cannot_serve_are_refused(flags, match):
         ShardStrategy(**flags)
 
 
-def test_fabric_refuses_context_parallelism():
+def test_fabric_cuts_the_batch_it_is_handed_and_weights_the_loss_until_the_cut_ends():
+    ids = torch.arange(8)[None].repeat(2, 1)
+    labels = ids.clone()
+    labels[:, :2] = -100  # rank 1 holds 8 of the 12 targets
+    batch = {"input_ids": ids, "labels": labels}
+    strategy = ShardFabricStrategy(context_parallel_size=2)
     with pytest.raises(
-        ValueError, match=r"ShardFabricStrategy\(context_parallel_size=2\) is a Trainer-only flag"
+        RuntimeError, match=r"needs the context-parallel group: call it after fabric.launch\(\)"
     ):
-        ShardFabricStrategy(context_parallel_size=2)
+        strategy.cut_batch(batch)
+    cp = strategy._context_parallel = ContextParallel(None, 2, 1, "allgather")  # as fabric.launch builds it
+    with pytest.raises(RuntimeError, match="which fabric.setup installs: set the model up first"):
+        strategy.cut_batch(batch)
+    strategy._model = torch.nn.Identity()
+    part = strategy.cut_batch(batch)
+    assert part["input_ids"][0].tolist() == [2, 3, 4, 5] and part["shift_labels"][0].tolist() == [3, 4, 5, 6]
+    assert cp.active and cp.seq_len == 8
+    assert strategy.loss_weight == pytest.approx(2 * 8 / 12)
+    assert strategy._weigh_loss(torch.tensor(3.0)).item() == pytest.approx(3 * 2 * 8 / 12)
+    with pytest.raises(
+        ValueError,
+        match=r"ShardFabricStrategy\(context_parallel_size=2\) cuts each sequence.*length 6 is not divisible by 4",
+    ):
+        strategy.cut_batch((torch.zeros(2, 6, dtype=torch.long),))
+    assert not cp.active and strategy.loss_weight == 1.0  # no earlier sequence left behind
+    strategy.cut_batch(batch)
+    strategy.end_cut()  # the model runs whole sequences again
+    assert not cp.active and strategy.loss_weight == 1.0
+    assert ShardFabricStrategy().cut_batch(batch) is batch  # without context parallelism: as it is
+    with pytest.raises(
+        ValueError,
+        match=r"ShardFabricStrategy\(context_parallel_size=2, pipeline_parallel_size=2\) is a Trainer-only",
+    ):
+        ShardFabricStrategy(context_parallel_size=2, pipeline_parallel_size=2)
 
 
 def test_models_are_installed_or_refused_naming_what_to_add():

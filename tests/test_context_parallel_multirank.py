@@ -169,6 +169,13 @@ TWO_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama allgather stage 3 sgd": ("llama", "sgd", dict(stage=3)),
     "llama ulysses stage 1 sgd": ("llama", "sgd", dict(stage=1, context_parallel_method="ulysses")),
     "llama allgather stage 2 adamw": ("llama", "adamw", dict(stage=2)),
+    # With the tiled MLP and loss (lightning_shard/tiling.py) over each rank's 8 tokens.
+    "gpt ulysses stage 3 sgd tiled": (
+        "gpt",
+        "sgd",
+        dict(stage=3, context_parallel_method="ulysses", tiled_mlp=2, tiled_loss=16),
+    ),
+    "llama allgather stage 2 adamw tiled": ("llama", "adamw", dict(stage=2, tiled_mlp=4, tiled_loss=True)),
 }
 
 
@@ -203,7 +210,19 @@ def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
         sgd_gpt(), _gpt_data(1, EPOCH), ShardStrategy(), 6, ckpt_path=ckpt
     )
     results["validate"] = _validate(ShardStrategy(context_parallel_size=2))
+    # compile=: each block compiled with the group's collectives inside (Ulysses' all-to-alls).
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]["ok"]
+    compiled = ShardStrategy(
+        stage=3, context_parallel_size=2, context_parallel_method="ulysses", compile=_COMPILE
+    )
+    results["compiled"] = _fit(sgd_gpt(), _gpt_data(2), compiled)
+    results["compiled frames"], results["recompiles"] = counters["frames"]["ok"] - frames, compiled.recompiles
     return results
+
+
+_COMPILE = {"backend": "aot_eager"}
 
 
 def _references() -> dict[str, list[float]]:
@@ -239,6 +258,8 @@ def test_cp2_follows_one_process_and_resumes_at_cp1(two_ranks, refs):
     _close(results["saved"], refs["gpt sgd 6"], "saved at cp=2")
     _close(results["resumed at cp=1 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=1 x dp=2")
     torch.testing.assert_close(results["validate"], _validate("auto"), rtol=1e-5, atol=0)
+    _close(results["compiled"], refs["gpt sgd"], "ulysses stage 3 compiled")
+    assert results["compiled frames"] > 0 and results["recompiles"] == 0, results
 
 
 FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {

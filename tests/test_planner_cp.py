@@ -67,3 +67,11 @@ def test_cli_recommends_context_parallel_when_one_sequence_does_not_fit(capsys):
     # Short sequences fit without it: no cut is recommended.
     assert main([*argv, "--devices", "8", "--gpu-mem", "80GB", "--seq-len", "4096"]) == 0
     assert "context_parallel_size" not in capsys.readouterr().out
+
+
+def test_the_vocabulary_is_the_heads_width_even_when_positions_outnumber_it():
+    from lightning_shard.demos import GPT
+    from lightning_shard.planner.model import shape_from_module
+
+    # 4096 positions, 64 tokens: the largest embedding is the position table, not the vocabulary.
+    assert shape_from_module(GPT(vocab_size=64, seq_len=4096, d_model=32, n_layers=1, n_heads=2)).vocab == 64

@@ -89,7 +89,8 @@ class ContextParallel:
         if q.size(2) * self.size != self.seq_len:
             raise RuntimeError(
                 f"context parallelism: attention got {q.size(2)} tokens on this rank, but the step's batch was cut"
-                f" to {self.seq_len} / {self.size}. Attention must run on the sequence as the strategy cut it."
+                f" to {self.seq_len} / {self.size}. Attention must run on the sequence as the strategy cut it (in"
+                " a Fabric loop, call fabric.strategy.end_cut() before running whole sequences)."
             )
         if self.method == "ulysses":
             return _ulysses(self, q, k, v, dropout_p, scale)

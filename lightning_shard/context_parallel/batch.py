@@ -16,6 +16,9 @@ sequence length. The keys Hugging Face models read are checked first:
 - ``position_ids``: must count ``0 .. T-1`` (packed sequences are not split).
 
 A tuple batch (``(inputs, targets)``, targets already aligned as in the demo GPT) is cut as it is.
+
+Outputs go the other way: :func:`gather_outputs` puts the group's chunks of each output back into one
+sequence, in position order (``predict``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -164,3 +168,44 @@ def scale_loss(output: Any, weight: float) -> Any:
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
         return {**output, "loss": output["loss"] * weight}
     return output
+
+
+def target_weight(target: Any, cut: Any, size: int) -> float:
+    """``c x n_r / N`` for a target tensor ``(b, T, ...)`` and this rank's cut of it ``(b, T / c, ...)``: the
+    targets other than -100 the rank holds over the group's (:meth:`SplitBatch.loss_weight`). 1 for a target
+    that is not an integer tensor, or that was not cut (no sequence dimension)."""
+    if not isinstance(target, Tensor) or not isinstance(cut, Tensor) or target.is_floating_point():
+        return 1.0
+    if cut.shape == target.shape:
+        return 1.0
+    group = int((target != IGNORE_INDEX).sum())
+    return size * int((cut != IGNORE_INDEX).sum()) / group if group else 1.0
+
+
+def gather_sequence(tensor: Tensor, group: Any, size: int) -> Tensor:
+    """The whole sequence of a tensor cut as :func:`split_batch` cuts (this rank's head and tail chunks
+    along dim 1, ``(b, T / c, ...)``), from every rank of ``group``, in position order: ``(b, T, ...)``.
+    Outputs only: no gradient flows back."""
+    tensor = tensor.detach().contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=group)
+    halves = [part.chunk(2, dim=1) for part in parts]  # rank r: chunks r and 2c - 1 - r
+    heads = [head for head, _ in halves]  # chunks 0 .. c-1
+    tails = [tail for _, tail in reversed(halves)]  # chunks c .. 2c-1
+    return torch.cat(heads + tails, dim=1)
+
+
+def gather_outputs(value: Any, seq_len: int, group: Any, size: int) -> Any:
+    """``value`` (nested in dicts, lists and tuples) with every tensor whose dim 1 is this rank's share of
+    the sequence, ``seq_len / size``, gathered to the whole sequence (:func:`gather_sequence`)."""
+    if isinstance(value, Tensor):
+        if value.dim() >= 2 and value.size(1) * size == seq_len:
+            return gather_sequence(value, group, size)
+        return value
+    if isinstance(value, Mapping):
+        return {key: gather_outputs(item, seq_len, group, size) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(gather_outputs(item, seq_len, group, size) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(gather_outputs(item, seq_len, group, size) for item in value)
+    return value

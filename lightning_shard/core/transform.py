@@ -9,7 +9,8 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
    their class from);
 2. the pipeline cut: this rank keeps its own stages, before anything shards them; then context
    parallelism: the model's attention runs over its context-parallel group and its position inputs get
-   each rank's global positions (the batch itself is cut by the door, per step);
+   each rank's global positions (the batch itself is cut by the door, per step); then the tiled MLP and
+   loss (:mod:`lightning_shard.tiling`);
 3. the engine (:mod:`lightning_shard.engines`), built for the config as now resolved, sets the module up.
    The FSDP engine applies, in this order, tensor parallelism, ``torch.compile`` per block, FSDP2 (or DDP /
    ZeRO-1 at stages 0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine
@@ -46,6 +47,7 @@ from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stage
 from lightning_shard.pipeline.runner import Tie
 from lightning_shard.pipeline.split import StagePlan
 from lightning_shard.precision import ShardPrecision
+from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +107,10 @@ def prepare(
     plan = None
     if rank is not None:
         config, plan = _cut_to_stages(module, config, rank, owner)
-    # 2b. Context parallelism (the batch is cut per step by the door).
+    # 2b. Context parallelism (the batch is cut per step by the door); the tiled MLP and loss.
     if processes.context_parallel is not None:
         _install_context_parallel(module, processes.context_parallel, processes.root_device.type, owner)
+    _install_tiling(module, config, owner)
     # 3. The engine: tensor parallel -> compile -> shard -> allocate (see the engine's setup_module).
     if engine is None or engine.config != config:
         engine = engine_class(config.engine)(config, precision, processes.run_context())
@@ -146,6 +149,15 @@ def _install_context_parallel(module: nn.Module, cp: ContextParallel, device_typ
         )
     replaced = apply_context_parallel(module, cp, owner)
     log.info("%s: context parallel (%s) over %d ranks: %s", owner, cp.method, cp.size, replaced)
+
+
+def _install_tiling(module: nn.Module, config: ShardConfig, owner: str) -> None:
+    if config.tiled_mlp is not False:
+        names = apply_tiled_mlp(module, config.tiled_mlp, f"{owner}(tiled_mlp={config.tiled_mlp!r})")
+        log.info("%s: tiled MLP: %s", owner, names)
+    if config.tiled_loss is not False:
+        names = apply_tiled_loss(module, config.tiled_loss, f"{owner}(tiled_loss={config.tiled_loss!r})")
+        log.info("%s: tiled loss: %s", owner, names)
 
 
 def pipeline_rank(mesh: Any) -> int | None:

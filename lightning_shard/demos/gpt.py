@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_shard.tiling import mean_cross_entropy
+
 _SUBJECTS = ["the miller", "a sailor", "the old king", "my sister", "the river", "a grey fox", "the clerk"]
 _VERBS = ["carried", "remembered", "watched", "painted", "followed", "forgot", "praised"]
 _OBJECTS = ["the lantern", "a letter", "the harbour", "seven stones", "the winter road", "a silver cup"]
@@ -152,6 +154,8 @@ class GPT(nn.Module):
         if tie_embeddings:  # pipeline stages keep a copy each, their gradients summed (docs/pipeline.md)
             self.head.weight = self.tok_emb.weight
         self.n_layers = n_layers
+        #: Tokens per tile of the loss given labels (None: the logits whole); set by the tiled_loss flag.
+        self.loss_tile: int | bool | None = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -170,7 +174,12 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layers))
 
     @override
-    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits ``(b, t, vocab)``, or given ``labels`` (``(b, t)``, aligned with the outputs) the mean
+        cross-entropy over them, computed ``loss_tile`` tokens at a time when it is set
+        (``ShardStrategy(tiled_loss=...)``)."""
         # A pipeline stage holds only its own modules (the others are None, docs/pipeline.md): stages
         # after the first receive the previous stage's hidden states, stages before the last return theirs.
         # position_ids: (t,) or (b, t), default 0 .. t-1 (context parallelism gives each chunk its own).
@@ -182,6 +191,8 @@ class GPT(nn.Module):
             x = block(x)
         if self.head is None:
             return x
+        if labels is not None:
+            return mean_cross_entropy(self.ln_f(x), self.head, labels, self.loss_tile)
         return self.head(self.ln_f(x))  # (b, t, vocab)
 
 
@@ -217,7 +228,9 @@ class GPTModule(L.LightningModule):
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        # Under ShardStrategy(tiled_loss=...) the model computes its loss from the hidden states, tile by
+        # tile, so the logits are never whole; otherwise the loss is pipeline_loss's, as with stages.
+        loss = self.model(x, labels=y) if self.model.loss_tile else self.pipeline_loss(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

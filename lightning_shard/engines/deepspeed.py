@@ -210,6 +210,9 @@ class DeepSpeedEngine(Engine):
             offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
         optimizer = self._offload_optimizer(optimizers[0])
+        # No mpu: DeepSpeed's data-parallel group is the world, context-parallel ranks among it, so its mean
+        # of the gradients undoes the weight the strategy gave each rank's loss (docs/context_parallel.md).
+        # DeepSpeed's own sequence parallelism (an mpu with a sequence group) would sum over those ranks.
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine, ds_optimizer, optimizer
 

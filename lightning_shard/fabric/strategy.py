@@ -27,6 +27,7 @@ from lightning_shard.core import guarded, transform
 from lightning_shard.core.registry import register_names
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
+from lightning_shard.fabric._context_parallel import FabricContextParallel
 from lightning_shard.fabric._pipeline import FabricPipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
 from lightning_shard.fabric._processes import FabricProcesses
@@ -35,16 +36,17 @@ from lightning_shard.flags import args_doc, bind, takes_flags
 from lightning_shard.parallel import clip_grad_norm_
 
 
-class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
+class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses, _Sharded):
     """ZeRO stages 0-3 for a Lightning Fabric loop, over the engines :class:`~lightning_shard.ShardStrategy` uses.
 
     Takes ShardStrategy's arguments (``stage``, ``engine``, ``offload_*``, ``activation_checkpointing``,
     ``replicate_size``, ``tensor_parallel_size``, ``checkpoint``, ``async_checkpoint``, ``init_weights``,
     ``timeout``, DDP options at stages 0-1, ...) with the same validation; ``ShardStrategy(...).fabric()``
     builds one from a Trainer strategy's flags. With ``pipeline_parallel_size > 1`` each batch goes through
-    :meth:`pipeline_step` in place of the forward and ``fabric.backward``. Not available here, because they
-    are Trainer hooks: ``stage="auto"`` (it plans from the Trainer's batch) and ``skip_nonfinite``. See
-    docs/fabric.md.
+    :meth:`pipeline_step` in place of the forward and ``fabric.backward``. With ``context_parallel_size > 1``
+    the loop passes each batch through :meth:`cut_batch` before the forward, and ``fabric.backward`` weights
+    the loss (:mod:`._context_parallel`). Not available here, because they are Trainer hooks:
+    ``stage="auto"`` (it plans from the Trainer's batch) and ``skip_nonfinite``. See docs/fabric.md.
     """
 
     @takes_flags
@@ -206,6 +208,7 @@ class ShardFabricStrategy(FabricPipeline, FabricProcesses, _Sharded):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         model = self._running()
         self._refuse_backward_under_pipeline()
+        tensor = self._weigh_loss(tensor)  # context parallelism: the rank's share of the cut batch's targets
         tensor = self.precision.pre_backward(tensor, module)
         if self.engine.owns_step:
             # Fabric steps the optimizer where the user says: every backward may precede a step.

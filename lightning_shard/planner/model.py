@@ -83,6 +83,20 @@ def _position_embedding_rows(module: nn.Module) -> int | None:
     return None
 
 
+def _vocab_of(module: nn.Module, embeddings: list[nn.Embedding]) -> int:
+    """The output head's width (a Linear named head / lm_head / output), else the largest embedding that is
+    not a position table: with sequences longer than the vocabulary that one is the largest."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear) and name.rsplit(".", 1)[-1] in _HEAD_NAMES:
+            return sub.out_features
+    named = {id(m): name for name, m in module.named_modules()}
+    tokens = [m for m in embeddings if not any(p in named[id(m)].lower() for p in ("pos", "wpe"))]
+    return (tokens or embeddings)[0].num_embeddings if embeddings else 0
+
+
+_HEAD_NAMES = ("head", "lm_head", "output")
+
+
 def shape_from_module(module: nn.Module, source: str | None = None) -> ModelShape:
     """Count ``module``'s parameters and read its transformer shape (works on the meta device)."""
     params = list(module.parameters())  # a tied parameter is yielded once
@@ -101,7 +115,7 @@ def shape_from_module(module: nn.Module, source: str | None = None) -> ModelShap
     if hidden is None and embeddings:
         hidden = embeddings[0].embedding_dim
     hidden = hidden or 0
-    vocab = _find_int(module, _VOCAB) or (embeddings[0].num_embeddings if embeddings else 0)
+    vocab = _find_int(module, _VOCAB) or _vocab_of(module, embeddings)
     heads = _find_int(module, _HEADS, deep=True) or max(1, hidden // 128)
     linears = [m for m in (blocks[0].modules() if blocks else ()) if isinstance(m, nn.Linear)]
     ffn = max((m.out_features for m in linears if m.in_features == hidden), default=4 * hidden)

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_shard.compile import recompiles
 from lightning_shard.context_parallel import scale_loss, split_batch
+from lightning_shard.context_parallel.batch import gather_outputs
 from lightning_shard.core.processes import guarded
 from lightning_shard.engines import Engine
 from lightning_shard.trainer._preemption import Preemption
@@ -130,7 +131,12 @@ class EngineSteps(ProcessGroupStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         args, _ = self._cut_batch(args)
         with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
+            output = self._redirect("predict_step", *args, **kwargs)
+        cp = self.context_parallel
+        if cp is None or cp.seq_len is None:
+            return output
+        # trainer.predict returns what one process would: each output's chunks gathered over the group.
+        return gather_outputs(output, cp.seq_len, cp.group, cp.size)
 
     @override
     @guarded
