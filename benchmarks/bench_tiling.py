@@ -31,6 +31,7 @@ from _common import SavedBytes, cpu_trainer, write_report
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard import ShardStrategy
+from lightning_shard.tiling import loss_tile
 from lightning_shard.units import parse_size
 
 
@@ -71,20 +72,24 @@ class _Measured(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def _transient(config: Any, seq: int, tiled: bool) -> int:
+def _transient(config: Any, seq: int, tiles: tuple[Any, Any] | None) -> int:
     """Bytes backward makes for the largest recomputed tile (fp32): the tiled loss's logits and their
     gradient, or the tiled MLP's gate, up and activated units; what the saved-tensor count does not see on
-    CPU. Untiled, the whole logits and hidden units are saved and counted already."""
-    if not tiled:
+    CPU. Untiled (or a sequence no longer than one tile), the whole logits and hidden units are saved and
+    counted already."""
+    if tiles is None:
         return 0
-    loss_tile = max(1, -(-seq * config.hidden_size // config.vocab_size))
-    mlp_tile = config.hidden_size if seq > config.hidden_size else 0  # no longer: the MLP runs whole, counted
-    return max(2 * loss_tile * config.vocab_size, 3 * mlp_tile * config.intermediate_size) * 4
+    mlp, loss = tiles
+    loss_size = loss_tile(seq, config.hidden_size, config.vocab_size) if loss is True else loss
+    mlp_size = config.hidden_size if mlp is True else mlp
+    logits = 2 * loss_size * config.vocab_size if seq > loss_size else 0
+    hidden = 3 * mlp_size * config.intermediate_size if seq > mlp_size else 0
+    return max(logits, hidden) * 4
 
 
-def _run_one(config: Any, seq: int, tiled: bool, steps: int) -> dict[str, Any]:
+def _run_one(config: Any, seq: int, tiles: tuple[Any, Any] | None, steps: int) -> dict[str, Any]:
     module = _Measured(config)
-    flags = dict(tiled_mlp=True, tiled_loss=True) if tiled else {}
+    flags = dict(tiled_mlp=tiles[0], tiled_loss=tiles[1]) if tiles is not None else {}
     strategy = ShardStrategy(stage=0, **flags)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = cpu_trainer(strategy, steps, [], devices=1, accelerator=accelerator)
@@ -94,7 +99,7 @@ def _run_one(config: Any, seq: int, tiled: bool, steps: int) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         return {"out_of_memory": True}
     timed = module.times[1:] or module.times
-    peak = max(module.peaks) + (0 if accelerator == "cuda" else _transient(config, seq, tiled))
+    peak = max(module.peaks) + (0 if accelerator == "cuda" else _transient(config, seq, tiles))
     return {"memory_bytes": peak, "step_s_median": statistics.median(timed)}
 
 
@@ -117,6 +122,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
+    parser.add_argument("--mlp-tile", type=int, default=None, help="tiled_mlp's positions (default: True)")
+    parser.add_argument("--loss-tile", type=int, default=None, help="tiled_loss's tokens (default: True)")
     parser.add_argument(
         "--budget", default="512MiB", help="memory per process for the longest sequence ('device': until OOM)"
     )
@@ -140,7 +147,8 @@ def main() -> None:
     results: dict[str, dict[int, dict[str, Any]]] = {"untiled": {}, "tiled": {}}
     for seq in args.seq_lens:
         for name in results:
-            results[name][seq] = _run_one(config, seq, name == "tiled", args.steps)
+            tiles = (args.mlp_tile or True, args.loss_tile or True) if name == "tiled" else None
+            results[name][seq] = _run_one(config, seq, tiles, args.steps)
     for seq in args.seq_lens:
         untiled, tiled = results["untiled"][seq], results["tiled"][seq]
         if "memory_bytes" in untiled and "memory_bytes" in tiled:
@@ -153,6 +161,7 @@ def main() -> None:
         "torch": torch.__version__,
         "model": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size")}
         | {"layers": args.layers},
+        "tiles": {"tiled_mlp": args.mlp_tile or True, "tiled_loss": args.loss_tile or True},
         "budget_bytes": budget,
         "results": {name: {str(seq): row for seq, row in rows.items()} for name, rows in results.items()},
         "longest_sequence_in_budget": {name: _longest(rows, budget) for name, rows in results.items()},

@@ -205,7 +205,8 @@ class ShardFlags:
         False,
         "``True`` or a number of tokens: compute the output head and the cross-entropy a tile of tokens at a"
         " time (Hugging Face causal LMs given labels, and modules with a ``loss_tile`` attribute), so the"
-        " logits are never whole (``True``: one tile's logits as large as the hidden states).",
+        " logits are never whole (``True``: one tile's logits as large as the hidden states, at least 1024"
+        " tokens).",
         "tiling.py, core/transform.py",
     )
     compile: bool | dict[str, Any] = _flag(

@@ -20,7 +20,7 @@ Both are computed per token, so a sequence can be cut into tiles along it with t
   and ``loss_function``; ``logits`` is then ``None``), and for any module that computes its loss with
   :func:`linear_cross_entropy` and has a ``loss_tile`` attribute (the demo GPT given ``labels``). Tile:
   ``ceil(N d / V)`` tokens, so one tile's logits are as large as the hidden states (Liger-Kernel's rule),
-  or the flag's number.
+  and at least 1024 tokens; or the flag's number.
 
 The results equal the untiled ones up to float summation order (the loss is a sum over tiles).
 """
@@ -68,10 +68,15 @@ def _loss_sum(h: Tensor, t: Tensor, head: nn.Module, ignore_index: int) -> Tenso
     return F.cross_entropy(head(h).float(), t, ignore_index=ignore_index, reduction="sum")
 
 
+#: The fewest tokens of a default loss tile: smaller tiles save little memory and each costs a pass over the
+#: head's weight gradient (on CPU, 1024 tokens took 1.25x the untiled step where 33 took 2.2x).
+MIN_LOSS_TILE = 1024
+
+
 def loss_tile(tokens: int, width: int, vocab: int) -> int:
     """The default tile of the tiled loss: one tile's logits (``tile x V``) no larger than the hidden
-    states (``N x d``)."""
-    return max(1, math.ceil(tokens * width / vocab))
+    states (``N x d``, Liger-Kernel's rule), and at least :data:`MIN_LOSS_TILE` tokens."""
+    return max(MIN_LOSS_TILE, math.ceil(tokens * width / vocab))
 
 
 def mean_cross_entropy(

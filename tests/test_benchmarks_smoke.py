@@ -194,19 +194,8 @@ def test_bench_tiling_smoke(tmp_path):
     """The tiled MLP and loss keep less than half the activation bytes at 512 tokens (the MLP's hidden units
     and the logits are cut into tiles), so a longer sequence fits the same budget."""
     out = tmp_path / "tiling.json"
-    args = (
-        "--seq-lens",
-        "256",
-        "512",
-        "--vocab",
-        "2048",
-        "--steps",
-        "1",
-        "--budget",
-        "20MiB",
-        "--out",
-        str(out),
-    )
+    args = ["--seq-lens", "256", "512", "--vocab", "2048", "--loss-tile", "128", "--steps", "1"]
+    args += ["--budget", "20MiB", "--out", str(out)]
     run = run_benchmark("bench_tiling.py", *args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_shard import ShardStrategy
-from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp, linear_cross_entropy
+from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp, linear_cross_entropy, loss_tile
 from tests.helpers import SEQ, LossRecorder, loader, tiny_gpt, tiny_llama_config, trainer_kwargs
 from tests.test_context_parallel_multirank import Llama, dict_loader
 
@@ -107,11 +107,24 @@ def test_tiled_gpt_and_llama_train_as_untiled(optimizer):
 
     expected = _fit(Llama(optimizer), dict_loader(4), ShardStrategy(stage=2))
     tokens = Tokens("lm_head", "layers.0.mlp.gate_proj")
-    got = _fit(Llama(optimizer), dict_loader(4), ShardStrategy(stage=2, tiled_mlp=4, tiled_loss=True), tokens)
+    got = _fit(Llama(optimizer), dict_loader(4), ShardStrategy(stage=2, tiled_mlp=4, tiled_loss=24), tokens)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
-    # tiled_loss=True: ceil(4 x 16 x 32 / 64) = 32 tokens per tile of the 64.
-    assert tokens.seen == {"lm_head": 32, "layers.0.mlp.gate_proj": 16}, tokens.seen
+    # Untiled: 4 x 16 tokens. The loss in tiles of 24 tokens, the MLP in tiles of 4 positions x 4 rows.
+    assert tokens.seen == {"lm_head": 24, "layers.0.mlp.gate_proj": 16}, tokens.seen
     assert SEQ == 16
+
+
+def test_the_default_tiles():
+    # The loss: one tile's logits as large as the hidden states, at least 1024 tokens.
+    assert loss_tile(131072, 4096, 128256) == 4186 and loss_tile(16384, 256, 32000) == 1024
+    # The MLP: as many positions as the model is wide (ALST's rule).
+    block = nn.Module()
+    block.mlp = nn.Sequential(nn.Linear(8, 8))
+    seen: list[int] = []
+    block.mlp[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].size(1)))
+    apply_tiled_mlp(block, True, "ShardStrategy(tiled_mlp=True)")
+    block.mlp(torch.randn(1, 20, 8))
+    assert seen == [8, 8, 4]
 
 
 @pytest.mark.parametrize(
