@@ -42,6 +42,8 @@ from tests.test_parity_multirank import sgd_gpt  # noqa: E402
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt ulysses zero-2 adamw": ("gpt", "adamw", dict(stage=2, context_parallel_method="ulysses")),
     "llama allgather zero-1 sgd": ("llama", "sgd", dict(stage=1)),
+    # The tiled MLP and loss under ZeRO-3: DeepSpeed gathers the MLP's and the head's weights per tile.
+    "llama allgather zero-3 sgd tiled": ("llama", "sgd", dict(stage=3, tiled_mlp=2, tiled_loss=16)),
 }
 
 
