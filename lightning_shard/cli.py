@@ -122,6 +122,12 @@ def _add_plan(sub: Any) -> None:
         "--engine", default="auto", choices=["auto", "fsdp", "deepspeed"], help="ShardStrategy(engine=...)"
     )
     flags.add_argument(
+        "--tiled-mlp", action="store_true", help="ShardStrategy(tiled_mlp=True): MLP hidden units not kept"
+    )
+    flags.add_argument(
+        "--tiled-loss", action="store_true", help="ShardStrategy(tiled_loss=True): logits one tile at a time"
+    )
+    flags.add_argument(
         "--nvme-path", help="directory on the NVMe drive, for --offload-optimizer/--offload-params nvme"
     )
     flags.add_argument(
@@ -313,6 +319,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "nvme_path",
     )
     same += ("micro_batch", "seq_len", "margin", "layers", "hidden", "heads", "vocab", "ffn", "bandwidth")
+    same += ("tiled_mlp", "tiled_loss")
     return {
         **{name: getattr(args, name) for name in same},
         "params": args.params,

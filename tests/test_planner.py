@@ -838,7 +838,7 @@ JSON_KEYS = {
         "stage", "offload_optimizer", "offload_params", "activation_checkpointing", "strategy", "parameters",
         "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
         "replicate_size", "tensor_parallel_size", "pipeline_parallel_size", "microbatches",
-        "context_parallel_size", "context_parallel_method",
+        "context_parallel_size", "context_parallel_method", "tiled_mlp", "tiled_loss",
     },
     "communication": {"bandwidth", "gradient_bytes", "allreduce_seconds", "step_bytes", "step_seconds"},
     "layout": {"gpus_per_node", "options", "suggested"},

@@ -67,6 +67,25 @@ def test_cli_recommends_context_parallel_when_one_sequence_does_not_fit(capsys):
     # Short sequences fit without it: no cut is recommended.
     assert main([*argv, "--devices", "8", "--gpu-mem", "80GB", "--seq-len", "4096"]) == 0
     assert "context_parallel_size" not in capsys.readouterr().out
+    # With the tiled MLP and loss planned, each rank holds more of the sequence: a smaller cut fits.
+    assert (
+        main(
+            [
+                *argv,
+                "--devices",
+                "8",
+                "--gpu-mem",
+                "80GB",
+                "--seq-len",
+                "131072",
+                "--tiled-mlp",
+                "--tiled-loss",
+            ]
+        )
+        == 0
+    )
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("recommended:"))
+    assert "tiled_mlp=True, tiled_loss=True" in line and "context_parallel_size=4" not in line, line
 
 
 def test_the_vocabulary_is_the_heads_width_even_when_positions_outnumber_it():
@@ -75,3 +94,22 @@ def test_the_vocabulary_is_the_heads_width_even_when_positions_outnumber_it():
 
     # 4096 positions, 64 tokens: the largest embedding is the position table, not the vocabulary.
     assert shape_from_module(GPT(vocab_size=64, seq_len=4096, d_model=32, n_layers=1, n_heads=2)).vocab == 64
+
+
+def test_tiling_drops_the_mlp_hidden_units_and_the_whole_logits():
+    from lightning_shard.planner import plan
+
+    common = dict(
+        world_size=1, device_memory="1TB", seq_len=8192, precision="32-true", stage=0, layers=2, hidden=256
+    )
+    common |= dict(heads=4, vocab=32000, ffn=1024, activation_checkpointing="none")
+    common |= dict(offload_optimizer="none", offload_params="none")
+    untiled = plan("50M", **common).recommended
+    mlp = plan("50M", **common, tiled_mlp=True).recommended
+    loss = plan("50M", **common, tiled_loss=True).recommended
+    tokens = 8192
+    # Per token: each layer's 2f fp32 hidden units; the logits V fp32 (kept) and the loss's 8V (one tile's).
+    assert untiled.activations - mlp.activations == pytest.approx(tokens * 2 * 2 * 1024 * 4, rel=1e-6)
+    assert untiled.activations - loss.activations == pytest.approx(tokens * 32000 * 4, rel=1e-6)
+    assert loss.buffers_detail["loss"] == 8 * 1024 * 32000  # one tile of 1024 tokens (the floor)
+    assert "tiled_mlp=True" in mlp.strategy_line and "tiled_loss=True" in loss.strategy_line

@@ -142,11 +142,16 @@ def test_selective_checkpointing_with_deepspeed_zero3_is_refused():
     ShardStrategy(stage=2, engine="deepspeed", activation_checkpointing="selective")
 
 
-def test_collective_failures_are_recognised_and_reported_with_the_timeout_flag():
+def test_collective_failures_are_recognised_and_reported_with_the_timeout_flag(monkeypatch):
     from datetime import timedelta
 
     from lightning_shard import CollectiveTimeoutError
+    from lightning_shard.core import processes
     from lightning_shard.core.processes import is_collective_failure
+
+    # The error marks this process's collectives as failed: put the mark back after the test, or every
+    # later Trainer call of this process on the default group still alive would refuse to run.
+    monkeypatch.setattr(processes, "_collective_failed", False)
 
     gloo = RuntimeError(
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"

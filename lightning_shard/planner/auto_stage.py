@@ -60,13 +60,15 @@ def choose(
     microbatches: int = 1,
     context_parallel_size: int = 1,
     context_parallel_method: str = "allgather",
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``.
 
     The mesh sizes are the strategy's, planned as fixed: with ``replicate_size > 1`` (HSDP) only
     stages 2 and 3 are candidates. With ``context_parallel_size`` = c the first batch's sequence (read
     before the strategy cuts it) is planned as ``seq_len / c`` tokens per rank plus what the method's
-    attention keeps of the whole.
+    attention keeps of the whole. ``tiled_mlp`` / ``tiled_loss``: the strategy's tiling, planned as such.
     """
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")
@@ -96,6 +98,8 @@ def choose(
         micro_batches=microbatches if pipeline_parallel_size > 1 else None,
         context_parallel_size=context_parallel_size,
         context_parallel_method=context_parallel_method,
+        tiled_mlp=tiled_mlp,
+        tiled_loss=tiled_loss,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -134,6 +138,8 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         microbatches=config.microbatches,
         context_parallel_size=config.context_parallel_size,
         context_parallel_method=config.context_parallel_method,
+        tiled_mlp=config.tiled_mlp is not False,
+        tiled_loss=config.tiled_loss is not False,
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointing.from_flag(chosen_policy)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_shard.planner.model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
+from lightning_shard.tiling import loss_tile
 
 Offload = Literal["none", "cpu", "nvme"]
 Optimizer = Literal["adam", "adamw", "sgd", "momentum"]
@@ -61,6 +62,10 @@ class Config:
     """Ranks each sequence is cut over (:mod:`lightning_shard.context_parallel`); 1 is none."""
     context_parallel_method: str = "allgather"
     """How attention runs across the cut sequence: ``"allgather"``, ``"ulysses"`` or ``"ring"``."""
+    tiled_mlp: bool = False
+    """``ShardStrategy(tiled_mlp=True)``: the MLPs' hidden units are recomputed tile by tile, not kept."""
+    tiled_loss: bool = False
+    """``ShardStrategy(tiled_loss=True)``: the logits exist one tile at a time (:mod:`lightning_shard.tiling`)."""
 
     @property
     def offloads(self) -> int:
@@ -100,6 +105,9 @@ class Config:
             kwargs["context_parallel_method"] = self.context_parallel_method
         if self.pipeline_parallel_size > 1 and self.microbatches is not None:
             kwargs["microbatches"] = self.microbatches
+        for tiled in ("tiled_mlp", "tiled_loss"):
+            if getattr(self, tiled):
+                kwargs[tiled] = True
         for flag in ("offload_optimizer", "offload_params", "activation_checkpointing"):
             if getattr(self, flag) != "none":
                 kwargs[flag] = getattr(self, flag)
@@ -205,13 +213,31 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     if s.micro_batch and s.seq_len:
         r = p  # under autocast the residual stream keeps the stored dtype (fp32 in mixed precision)
         cp, method = config.context_parallel_size, config.context_parallel_method
-        acts = activation_bytes(s.shape, s.micro_batch, s.seq_len, ckpt, r, c, s.tp, cp, method)
+        acts = activation_bytes(
+            s.shape,
+            s.micro_batch,
+            s.seq_len,
+            ckpt,
+            r,
+            c,
+            s.tp,
+            cp,
+            method,
+            config.tiled_mlp,
+            config.tiled_loss,
+        )
         tokens = s.micro_batch * s.seq_len / cp  # each rank of a context-parallel group holds T / cp of them
         if ckpt != "none" and s.shape.layers:
             kept = block_activation_bytes(s.shape, ckpt, r, c)
             detail["recompute"] = int(tokens * (block_activation_bytes(s.shape, "none", r, c) - kept) / s.tp)
         if s.shape.vocab:
-            detail["loss"] = int(8 * tokens * s.shape.vocab / s.tp)
+            # The fp32 log-softmax and its gradient: of every token, or of one tile under tiled_loss.
+            held = (
+                min(tokens, loss_tile(int(tokens), s.shape.hidden, s.shape.vocab))
+                if config.tiled_loss
+                else tokens
+            )
+            detail["loss"] = int(8 * held * s.shape.vocab / s.tp)
     return Breakdown(
         config=config,
         parameters=int(params),
@@ -262,6 +288,8 @@ def candidates(
     microbatches: int | None = None,
     context_parallel_size: int = 1,
     context_parallel_method: str = "allgather",
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
 ) -> list[Config]:
     """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path).
 
@@ -284,6 +312,8 @@ def candidates(
             microbatches,
             context_parallel_size,
             context_parallel_method,
+            tiled_mlp,
+            tiled_loss,
         )
         for stage in stages
         for opt in opt_choices

@@ -259,6 +259,13 @@ def block_activation_bytes(shape: ModelShape, mode: Checkpointing, r: int, c: in
     return 2 * h * r + (6 * h + 2 * f) * c + 4 * a + 16
 
 
+def tiled_mlp_saving(shape: ModelShape, mode: Checkpointing, c: int) -> float:
+    """Bytes per token a block no longer keeps under ``ShardStrategy(tiled_mlp=...)``: the MLP's hidden units
+    (``2f·c`` without recompute, the first matmul's ``f·c`` under selective recompute, none under full
+    recompute, which keeps only the block's input); each tile's are recomputed in backward."""
+    return {"none": 2 * shape.ffn * c, "selective": shape.ffn * c}.get(mode, 0)
+
+
 def activation_bytes(
     shape: ModelShape,
     micro_batch: int,
@@ -269,6 +276,8 @@ def activation_bytes(
     tp: int = 1,
     cp: int = 1,
     cp_method: str = "allgather",
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
 ) -> float:
     """Bytes the forward pass leaves for backward on one device.
 
@@ -280,8 +289,10 @@ def activation_bytes(
     (:func:`context_parallel_attention_bytes`).
     """
     tokens = micro_batch * seq_len / cp
-    outside = shape.hidden * (r + c) + 8 + shape.vocab * c
-    local = tokens * (shape.layers * block_activation_bytes(shape, mode, r, c) + outside) / tp
+    # ShardStrategy(tiled_loss=...): the logits are recomputed tile by tile in backward, never kept.
+    outside = shape.hidden * (r + c) + 8 + (0 if tiled_loss else shape.vocab * c)
+    block = block_activation_bytes(shape, mode, r, c) - (tiled_mlp_saving(shape, mode, c) if tiled_mlp else 0)
+    local = tokens * (shape.layers * block + outside) / tp
     return local + context_parallel_attention_bytes(shape, micro_batch, seq_len, mode, c, cp, cp_method)
 
 

@@ -144,6 +144,8 @@ def plan(
     context_parallel_size: int | Auto | None = None,
     context_parallel_method: str = "allgather",
     fp8: Any = False,
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -164,6 +166,9 @@ def plan(
     tokens, plus what ``context_parallel_method``'s attention keeps of the whole sequence; None is 1);
     ``"auto"`` (the CLI's default) cuts only when nothing fits without it: the smallest power of two that
     divides the data-parallel ranks and makes the recommendation fit is taken, with a note (see :func:`_with_cp`).
+
+    ``tiled_mlp`` / ``tiled_loss`` plan ``ShardStrategy(tiled_mlp=..., tiled_loss=...)``: the MLPs' hidden
+    units are not kept, and the logits and their loss exist one tile at a time (:mod:`lightning_shard.tiling`).
 
     ``fp8`` is ``ShardStrategy(fp8=...)``'s flag: at stages 2-3 the converted Linears' weights are gathered
     in float8, 1 byte each, in the data-parallel traffic (see :mod:`.float8`).
@@ -206,6 +211,8 @@ def plan(
         micro_batches,
         cp,
         context_parallel_method,
+        bool(tiled_mlp),
+        bool(tiled_loss),
     )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
     # With replicate_size > 1 the strategy refuses stages 0-1 (their rows read n/a): never recommended.
@@ -372,6 +379,8 @@ def choose_stage(
     micro_batches: int | None = None,
     context_parallel_size: int = 1,
     context_parallel_method: str = "allgather",
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
@@ -383,7 +392,8 @@ def choose_stage(
     (``micro_batch`` is then one of the pipeline's ``micro_batches``), and with ``replicate_size > 1``
     (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed; with
     ``context_parallel_size`` > 1 each rank's activations are those of ``seq_len / c`` tokens plus what the
-    method's attention keeps of the whole sequence. If nothing fits, ``plan.recommended`` is the
+    method's attention keeps of the whole sequence; ``tiled_mlp`` / ``tiled_loss`` are the strategy's tiling.
+    If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
     """
@@ -407,4 +417,6 @@ def choose_stage(
         micro_batches=micro_batches,
         context_parallel_size=context_parallel_size,
         context_parallel_method=context_parallel_method,
+        tiled_mlp=tiled_mlp,
+        tiled_loss=tiled_loss,
     )
