@@ -219,7 +219,25 @@ def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
     )
     results["compiled"] = _fit(sgd_gpt(), _gpt_data(2), compiled)
     results["compiled frames"], results["recompiles"] = counters["frames"]["ok"] - frames, compiled.recompiles
+    results["mfu"] = _mfu(ShardStrategy(stage=3, context_parallel_size=2), _gpt_data(2))
     return results
+
+
+def _mfu(strategy: Any, data: DataLoader) -> tuple[float, float]:
+    """MFUMonitor's count on this rank: the model FLOPs of one batch, and the tokens of one step."""
+    from lightning_shard.callbacks import MFUMonitor
+
+    mfu = MFUMonitor(peak_flops=1e12, log_every_n_steps=1)
+    trainer = L.Trainer(
+        devices=_world() if strategy != "auto" else 1,
+        strategy=strategy,
+        callbacks=[mfu],
+        **trainer_kwargs(max_steps=2, log_every_n_steps=1),
+    )
+    trainer.fit(sgd_gpt(), data)
+    assert mfu.counted is not None
+    metrics = mfu.metrics
+    return mfu.counted["model_flops"], metrics["perf/tokens_per_sec"] * metrics["perf/step_time_s"]
 
 
 _COMPILE = {"backend": "aot_eager"}
@@ -259,6 +277,12 @@ def test_cp2_follows_one_process_and_resumes_at_cp1(two_ranks, refs):
     _close(results["resumed at cp=1 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=1 x dp=2")
     torch.testing.assert_close(results["validate"], _validate("auto"), rtol=1e-5, atol=0)
     _close(results["compiled"], refs["gpt sgd"], "ulysses stage 3 compiled")
+    # MFUMonitor: each cp rank counts the FLOPs of its half of the sequence (its FLOPs, not the group's),
+    # and the batch's tokens once per group (8 rows x 16).
+    flops, tokens = results["mfu"]
+    one_flops, one_tokens = _mfu("auto", loader(8))
+    assert flops * 2 == one_flops and one_tokens == pytest.approx(8 * SEQ)
+    assert tokens == pytest.approx(8 * SEQ, rel=0.1)  # the ranks' step times differ a little
     assert results["compiled frames"] > 0 and results["recompiles"] == 0, results
 
 
