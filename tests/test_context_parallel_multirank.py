@@ -169,6 +169,17 @@ TWO_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama allgather stage 3 sgd": ("llama", "sgd", dict(stage=3)),
     "llama ulysses stage 1 sgd": ("llama", "sgd", dict(stage=1, context_parallel_method="ulysses")),
     "llama allgather stage 2 adamw": ("llama", "adamw", dict(stage=2)),
+    # Activation checkpointing: the recompute runs the group's collectives again.
+    "gpt allgather stage 3 sgd full checkpointing": (
+        "gpt",
+        "sgd",
+        dict(stage=3, activation_checkpointing="full"),
+    ),
+    "llama ulysses stage 2 adamw selective checkpointing": (
+        "llama",
+        "adamw",
+        dict(stage=2, context_parallel_method="ulysses", activation_checkpointing="selective"),
+    ),
     # With the tiled MLP and loss (lightning_shard/tiling.py) over each rank's 8 tokens.
     "gpt ulysses stage 3 sgd tiled": (
         "gpt",
@@ -220,7 +231,23 @@ def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
     results["compiled"] = _fit(sgd_gpt(), _gpt_data(2), compiled)
     results["compiled frames"], results["recompiles"] = counters["frames"]["ok"] - frames, compiled.recompiles
     results["mfu"] = _mfu(ShardStrategy(stage=3, context_parallel_size=2), _gpt_data(2))
+    # Built on the meta device, sharded, then allocated and initialised: as over the same ranks without CP.
+    results["meta cp2"] = _fit_on_meta(ShardStrategy(stage=3, context_parallel_size=2), _gpt_data(2))
+    results["meta dp2"] = _fit_on_meta(ShardStrategy(stage=3), _gpt_data(1))
     return results
+
+
+def _fit_on_meta(strategy: ShardStrategy, data: DataLoader) -> list[float]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=_world(), strategy=strategy, callbacks=[recorder], **trainer_kwargs(max_steps=3)
+    )
+    with trainer.init_module(empty_init=True):
+        model = sgd_gpt()
+    assert next(model.parameters()).is_meta
+    L.seed_everything(0)
+    trainer.fit(model, data)
+    return recorder.losses
 
 
 def _mfu(strategy: Any, data: DataLoader) -> tuple[float, float]:
@@ -279,6 +306,7 @@ def test_cp2_follows_one_process_and_resumes_at_cp1(two_ranks, refs):
     _close(results["compiled"], refs["gpt sgd"], "ulysses stage 3 compiled")
     # MFUMonitor: each cp rank counts the FLOPs of its half of the sequence (its FLOPs, not the group's),
     # and the batch's tokens once per group (8 rows x 16).
+    _close(results["meta cp2"], results["meta dp2"], "built on the meta device")
     flops, tokens = results["mfu"]
     one_flops, one_tokens = _mfu("auto", loader(8))
     assert flops * 2 == one_flops and one_tokens == pytest.approx(8 * SEQ)
@@ -291,6 +319,8 @@ FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt ulysses cp2 x dp2 stage 0 sgd": ("gpt", "sgd", dict(stage=0, context_parallel_method="ulysses")),
     "gpt allgather cp2 x dp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2)),
     "llama allgather cp2 x dp2 stage 3 sgd": ("llama", "sgd", dict(stage=3)),
+    # HSDP: 2 replicas, each sharding over its own cp ranks.
+    "gpt allgather cp2 x hsdp2 stage 3 sgd": ("gpt", "sgd", dict(stage=3, replicate_size=2)),
     # CP2 x TP2: tensor parallelism (sequence-parallel norms in the GPT) inside each cp rank's chunks.
     "gpt allgather cp2 x tp2 stage 3 sgd": ("gpt", "sgd", dict(stage=3, tensor_parallel_size=2)),
     "gpt allgather cp2 x tp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2, tensor_parallel_size=2)),
