@@ -191,3 +191,67 @@ def test_a_fabric_loop_with_context_parallelism_follows_one_process():
                 atol=0,
                 msg=lambda m, c=case: f"{c}: {m}",
             )
+
+
+class _MaskedTail(torch.utils.data.Dataset):
+    """The test tokens with the last 3 targets of every row ignored (-100): the two cp ranks hold 5 and 8
+    targets per row, so their losses weigh 10/13 and 16/13."""
+
+    def __init__(self) -> None:
+        self.x, self.y = token_dataset().tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.y[i].clone()
+        y[-3:] = -100
+        return self.x[i], y
+
+
+def _pipeline_loop() -> dict[str, Any]:
+    """PP2 x CP2 on 4 ranks: pipeline_step cuts each whole batch over the cp group itself."""
+    strategy = ShardFabricStrategy(stage=3, pipeline_parallel_size=2, context_parallel_size=2)
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    model = tiny_gpt()
+    seen = _count_tokens(model) if fabric.global_rank < 2 else []  # the first stage holds the embedding
+    model, optimizer = fabric.setup(model, _optimizer("sgd", model))
+    data = fabric.setup_dataloaders(DataLoader(_MaskedTail(), batch_size=BATCH, shuffle=False))
+    losses = []
+    for i, (x, y) in enumerate(data):
+        if i == STEPS:
+            break
+        losses.append(fabric.strategy.pipeline_step(model, x, y).item())  # the whole sequences' loss
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    x, y = next(iter(data))
+    return {"losses": losses, "eval": fabric.strategy.pipeline_eval_step(model, x, y).item(), "tokens": seen}
+
+
+def test_pipeline_stages_with_context_parallelism_in_a_fabric_loop_follow_one_process():
+    ranks = run_ranks(_pipeline_loop, world_size=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_gpt()
+        optimizer = _optimizer("sgd", model)
+        expected = []
+        for i, batch in enumerate(DataLoader(_MaskedTail(), batch_size=BATCH, shuffle=False)):
+            if i == STEPS:
+                break
+            loss = _loss(model, batch)
+            loss.backward()
+            expected.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            expected.append(_loss(model, next(iter(DataLoader(_MaskedTail(), batch_size=BATCH)))).item())
+    finally:
+        torch.set_num_threads(threads)
+    for rank, result in enumerate(ranks):
+        torch.testing.assert_close([*result["losses"], result["eval"]], expected, rtol=1e-5, atol=0)
+        if rank < 2:  # the first stage's embedding read each rank's chunks only
+            assert set(result["tokens"]) == {SEQ // 2}, result["tokens"]

@@ -209,3 +209,26 @@ def gather_outputs(value: Any, seq_len: int, group: Any, size: int) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(gather_outputs(item, seq_len, group, size) for item in value)
     return value
+
+
+def cut_pair(cp: Any, inputs: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any, float]:
+    """Pipeline stages: ``(inputs, target)`` cut to this rank's chunks of each sequence, the group's sequence
+    set on ``cp`` (a :class:`~lightning_shard.context_parallel.ContextParallel`, or ``None``: nothing cut),
+    and the weight of this rank's mean loss (:func:`target_weight`). The stages' activations then carry
+    ``T / c`` tokens, the shapes a schedule infers on its first step."""
+    if cp is None:
+        return inputs, target, 1.0
+    split = split_batch((inputs, target), cp.size, cp.rank)
+    cp.begin(split.seq_len)
+    cut_inputs, cut_target = split.batch
+    return cut_inputs, cut_target, target_weight(target, cut_target, cp.size)
+
+
+def group_mean(cp: Any, loss: Tensor) -> Tensor:
+    """A rank's weighted loss averaged over its context-parallel group: the loss of the whole sequences, what
+    one process computes (without context parallelism, the loss itself)."""
+    if cp is None:
+        return loss
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=cp.group)
+    return loss / cp.size

@@ -12,6 +12,9 @@ group's ``c`` ranks, so the gradients are those of the mean over every target of
 
 The sequence stays set until the next ``cut_batch`` or :meth:`~FabricContextParallel.end_cut` (a recompute
 during backward needs it); after ``end_cut`` the model runs whole sequences as on one process.
+
+With pipeline stages the loop hands whole batches to ``fabric.strategy.pipeline_step``, which cuts them
+itself (:func:`~lightning_shard.context_parallel.batch.cut_pair`), as the Trainer's pipeline steps do.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class FabricContextParallel:
     context_parallel: ContextParallel | None
     _model: nn.Module | None
     _cut_weight: float = 1.0
+    _cut_by_loop: bool = False
 
     def cut_batch(self, batch: Any) -> Any:
         """This rank's part of ``batch`` (each rank of a context-parallel group calls it on the same batch).
@@ -58,6 +62,7 @@ class FabricContextParallel:
         split = split_batch(batch, cp.size, cp.rank, owner="ShardFabricStrategy")
         cp.begin(split.seq_len)
         self._cut_weight = split.loss_weight(cp.size)
+        self._cut_by_loop = True
         return split.batch
 
     def end_cut(self) -> None:
@@ -65,7 +70,7 @@ class FabricContextParallel:
         ``fabric.backward`` stops weighting the loss, until the next :meth:`cut_batch`."""
         if self.context_parallel is not None:
             self.context_parallel.end()
-        self._cut_weight = 1.0
+        self._cut_weight, self._cut_by_loop = 1.0, False
 
     @property
     def loss_weight(self) -> float:

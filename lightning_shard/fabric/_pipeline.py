@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.config import ShardConfig
+from lightning_shard.context_parallel import ContextParallel
+from lightning_shard.context_parallel.batch import cut_pair, group_mean
 from lightning_shard.core.processes import guarded
 from lightning_shard.core.transform import PIPELINE_KEY, LossFn, pipeline_rank
 from lightning_shard.pipeline import StageRunner
@@ -33,6 +35,7 @@ class FabricPipeline:
     _model: nn.Module | None
     _pipeline: StageRunner | None = None
     _loss_fn: LossFn | None = None
+    context_parallel: ContextParallel | None
 
     @property
     def pipeline_stage(self) -> int | None:
@@ -58,6 +61,11 @@ class FabricPipeline:
                 model's ``pipeline_loss`` (the Trainer strategy's contract, docs/pipeline.md).
             scale: the gradients are ``scale x`` those of the batch's loss (``1 / accumulate`` under
                 accumulation); the returned loss is not scaled.
+
+        With ``context_parallel_size > 1`` the inputs and the target (both ``(batch, sequence, ...)``, the
+        target aligned with the inputs position by position) are cut to this rank's chunks, as
+        ``cut_batch`` cuts (do not cut them first); each rank's loss is weighted by its share of the
+        targets, and the loss returned is the group's: the whole sequences' loss.
         """
         runner = self._stage_runner(model, "pipeline_step", loss_fn)
         scaler = (
@@ -65,8 +73,11 @@ class FabricPipeline:
         )  # 16-mixed: the schedule's backward scales as fabric.backward would
         if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
             scale *= float(scaler.scale(torch.ones((), device=self.root_device)))
+        # Context parallelism: each rank runs its chunks of the sequences, its loss weighted by its share.
+        inputs, target, weight = cut_pair(self.context_parallel, _as_tuple(inputs), target)
         with self.precision.forward_context():
-            return runner.train_step(_as_tuple(inputs), target, float(scale))
+            loss = runner.train_step(inputs, target, float(scale * weight))
+        return group_mean(self.context_parallel, loss * weight)
 
     @guarded
     def pipeline_eval_step(
@@ -74,10 +85,18 @@ class FabricPipeline:
     ) -> Tensor:
         """Forward only, through this rank's stages; the batch's loss on every stage."""
         runner = self._stage_runner(model, "pipeline_eval_step", loss_fn)
+        inputs, target, weight = cut_pair(self.context_parallel, _as_tuple(inputs), target)
         with torch.no_grad(), self.precision.forward_context():
-            return runner.eval_step(_as_tuple(inputs), target)
+            loss = runner.eval_step(inputs, target)
+        return group_mean(self.context_parallel, loss * weight)
 
     def _stage_runner(self, model: nn.Module, call: str, loss_fn: LossFn | None) -> StageRunner:
+        if getattr(self, "_cut_by_loop", False):
+            raise ValueError(
+                f"fabric.strategy.{call}(model, inputs, target) cuts the sequences over the context-parallel"
+                " group itself, but the loop cut a batch with fabric.strategy.cut_batch: pass the whole batch"
+                " (call fabric.strategy.end_cut() if a cut batch was used elsewhere)."
+            )
         if self._pipeline is None:
             raise RuntimeError(
                 f"fabric.strategy.{call}(...) runs a batch through pipeline stages: it needs"

@@ -63,14 +63,6 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             "it is a Trainer optimizer-step hook. In a Fabric loop,"
             " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
         ),
-        (
-            f"context_parallel_size={config.context_parallel_size},"
-            f" pipeline_parallel_size={config.pipeline_parallel_size}",
-            config.context_parallel_size > 1 and config.pipeline_parallel_size > 1,
-            "fabric.strategy.pipeline_step runs its stages on the batch it is handed, without"
-            " cut_batch's loss weight or the positions of each chunk. Use the Trainer (ShardStrategy) for"
-            " both, or one of the two in a Fabric loop",
-        ),
     ]
     for flag, hit, why in refused:
         if hit:

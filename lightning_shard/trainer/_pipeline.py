@@ -16,7 +16,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer import call
 from torch import Tensor
@@ -25,8 +24,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.context_parallel import split_batch as cut_sequence
-from lightning_shard.context_parallel.batch import gather_outputs, target_weight
+from lightning_shard.context_parallel.batch import cut_pair, gather_outputs, group_mean
 from lightning_shard.core.processes import guarded
 from lightning_shard.core.transform import PIPELINE_KEY, pipeline_rank
 from lightning_shard.pipeline import StageRunner
@@ -106,7 +104,7 @@ class PipelineSteps(EngineSteps):
             return super().training_step(*args, **kwargs)
         self._preemption.agree(self.root_device)
         module = self._lm
-        inputs, target, weight = self._cut_sequence(*split_batch(module, args[0]))
+        inputs, target, weight = cut_pair(self.context_parallel, *split_batch(module, args[0]))
         # Lightning divides the returned loss by accumulate_grad_batches before its backward, and 16-mixed's
         # loss scaler multiplies it by its scale; the schedule runs that backward itself, so it applies both
         # (the scaler then unscales, checks for infs over every stage's gradients and steps as usual).
@@ -118,31 +116,8 @@ class PipelineSteps(EngineSteps):
             # The schedule's loss is the mean over microbatches of this rank's own mean loss (it divides
             # the scale back out); weighted, as the step without stages returns it.
             loss = self._train_schedule(inputs, target, scale * weight) * weight
-        module.log("train_loss", self._sequence_mean(loss), prog_bar=True)
+        module.log("train_loss", group_mean(self.context_parallel, loss), prog_bar=True)
         return loss
-
-    def _cut_sequence(self, inputs: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any, float]:
-        """Context parallelism: ``(inputs, target)`` cut to this rank's chunks of each sequence (as
-        :meth:`_cut_batch` cuts a batch) and the weight of this rank's mean loss, ``c x n_r / N`` over the
-        target's entries other than -100. The stages' activations then carry ``T / c`` tokens, shapes the
-        schedule infers on its first step."""
-        cp = self.context_parallel
-        if cp is None:
-            return inputs, target, 1.0
-        split = cut_sequence((inputs, target), cp.size, cp.rank)
-        cp.begin(split.seq_len)
-        cut_inputs, cut_target = split.batch
-        return cut_inputs, cut_target, target_weight(target, cut_target, cp.size)
-
-    def _sequence_mean(self, loss: Tensor) -> Tensor:
-        """A weighted loss averaged over the context-parallel group: the loss of the whole sequences, what one
-        process logs (without context parallelism, the loss itself)."""
-        cp = self.context_parallel
-        if cp is None:
-            return loss
-        loss = loss.detach().clone()
-        dist.all_reduce(loss, group=cp.group)
-        return loss / cp.size
 
     def _train_schedule(self, inputs: tuple[Any, ...], target: Any, scale: float) -> Tensor:
         """Run the schedule with the gradients it makes kept apart until :meth:`backward`.
@@ -204,7 +179,7 @@ class PipelineSteps(EngineSteps):
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
         inputs = predict_inputs(self._lm, args[0])
-        inputs = self._cut_sequence(inputs, None)[0]
+        inputs = cut_pair(self.context_parallel, inputs, None)[0]
         with self.precision_plugin.predict_step_context():
             output = self._pipeline.predict_step(inputs)
         cp = self.context_parallel
@@ -244,7 +219,7 @@ class PipelineSteps(EngineSteps):
     def _eval_step(self, name: str, batch: Any) -> Tensor:
         assert self._pipeline is not None
         module = self._lm
-        inputs, target, weight = self._cut_sequence(*split_batch(module, batch))
+        inputs, target, weight = cut_pair(self.context_parallel, *split_batch(module, batch))
         with self.precision_plugin.val_step_context():
             loss = self._pipeline.eval_step(inputs, target) * weight
         # Every stage of a pipeline holds the same value: the mean over all ranks is the data-parallel mean
