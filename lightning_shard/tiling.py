@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 #: Names of the MLP modules the tiled MLP runs tile by tile (the last part of a module's name).
@@ -121,6 +122,11 @@ def apply_tiled_mlp(module: nn.Module, tile: int | bool, flag: str) -> list[str]
 def _tiled_mlp_forward(forward: Any, tile: int | None, flag: str, name: str) -> Any:
     @functools.wraps(forward)
     def tiled(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, DTensor):
+            # Sequence parallelism hands the MLP its norm's output split along the sequence; its first
+            # layer's style reads a local tensor as that split. Tiles of the local part then go through
+            # the layers as the whole part does, token by token, and come back split as it would.
+            x = x.to_local()
         if args or kwargs or not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(
                 f"{flag} runs {name} tile by tile along the sequence, which needs it called with one (batch,"

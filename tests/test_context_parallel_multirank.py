@@ -326,6 +326,12 @@ FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt allgather cp2 x tp2 stage 2 adamw": ("gpt", "adamw", dict(stage=2, tensor_parallel_size=2)),
     "llama allgather cp2 x tp2 stage 3 sgd": ("llama", "sgd", dict(stage=3, tensor_parallel_size=2)),
     "llama allgather cp2 x tp2 stage 0 adamw": ("llama", "adamw", dict(stage=0, tensor_parallel_size=2)),
+    # The tiled MLP on the sequence-parallel split (the MLP's input a DTensor split along the sequence).
+    "gpt allgather cp2 x tp2 stage 3 sgd tiled": (
+        "gpt",
+        "sgd",
+        dict(stage=3, tensor_parallel_size=2, tiled_mlp=2, tiled_loss=16),
+    ),
 }
 
 
