@@ -89,11 +89,16 @@ def mean_cross_entropy(
         logits = head(hidden).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
     count = (targets != -100).sum()
-    if tile is True:
-        weight = getattr(head, "weight", None)
-        vocab = weight.shape[0] if weight is not None else hidden.size(-1)
-        tile = loss_tile(targets.numel(), hidden.size(-1), vocab)
-    return linear_cross_entropy(hidden, head, targets, tile) / count
+    return linear_cross_entropy(hidden, head, targets, _tile_size(tile, targets, hidden, head)) / count
+
+
+def _tile_size(tile: int | bool, targets: Tensor, hidden: Tensor, head: nn.Module) -> int:
+    """The flag's number of tokens, or for ``True`` :func:`loss_tile` of this batch and head."""
+    if tile is not True:
+        return int(tile)
+    weight = getattr(head, "weight", None)
+    vocab = weight.shape[0] if weight is not None else hidden.size(-1)
+    return loss_tile(targets.numel(), hidden.size(-1), vocab)
 
 
 # --- installing them ------------------------------------------------------------------------------------------
@@ -102,14 +107,12 @@ def mean_cross_entropy(
 def apply_tiled_mlp(module: nn.Module, tile: int | bool, flag: str) -> list[str]:
     """Run every MLP of ``module`` tile by tile; the names of the MLPs. ``ValueError`` naming the rule where
     there is none."""
-    found = []
-    for name, sub in module.named_modules():
-        if name.rsplit(".", 1)[-1] in MLP_NAMES and not getattr(sub, _TILED, False):
+    found = [name for name, _ in module.named_modules() if name.rsplit(".", 1)[-1] in MLP_NAMES]
+    for name in found:
+        sub = module.get_submodule(name)
+        if not getattr(sub, _TILED, False):  # a later Trainer call finds it tiled already
             sub.forward = _tiled_mlp_forward(sub.forward, None if tile is True else int(tile), flag, name)
             setattr(sub, _TILED, True)
-            found.append(name)
-        elif name.rsplit(".", 1)[-1] in MLP_NAMES:
-            found.append(name)
     if not found:
         raise ValueError(
             f"{flag} found no MLP in {type(module).__name__}: it runs the modules named"
@@ -162,7 +165,7 @@ def apply_tiled_loss(module: nn.Module, tile: int | bool, flag: str) -> list[str
     what to add where there is none."""
     found = []
     for name, sub in module.named_modules():
-        if hasattr(sub, "loss_tile") and not isinstance(sub, nn.Linear):
+        if hasattr(sub, "loss_tile"):
             sub.loss_tile = tile
             found.append(name or type(sub).__name__)
         elif _is_hugging_face_lm(sub):
@@ -228,11 +231,8 @@ def _tiled_lm_forward(model: Any, forward: Any, tile: int | bool) -> Any:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
-        size = tile if tile is not True else None
         head = model.get_output_embeddings()
-        if size is None:
-            size = loss_tile(shift_labels.numel(), hidden.size(-1), head.weight.shape[0])
-        total = linear_cross_entropy(hidden, head, shift_labels, size)
+        total = linear_cross_entropy(hidden, head, shift_labels, _tile_size(tile, shift_labels, hidden, head))
         count = num_items if num_items is not None else (shift_labels != -100).sum()
         loss = total / (count.to(total.device) if isinstance(count, Tensor) else count)
         from transformers.modeling_outputs import CausalLMOutputWithPast  # a Hugging Face model brings it

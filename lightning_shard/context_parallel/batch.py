@@ -88,8 +88,7 @@ def split_batch(batch: Any, size: int, rank: int, owner: str = "ShardStrategy") 
             batch["shift_labels"] = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
         targets = batch.get("shift_labels")
         if isinstance(targets, Tensor):
-            group = int((targets != IGNORE_INDEX).sum())
-            local = int((targets.index_select(1, index.to(targets.device)) != IGNORE_INDEX).sum())
+            group, local = _targets(targets), _targets(targets.index_select(1, index.to(targets.device)))
     return SplitBatch(_cut(batch, seq_len, index), seq_len, local, group)
 
 
@@ -178,8 +177,12 @@ def target_weight(target: Any, cut: Any, size: int) -> float:
         return 1.0
     if cut.shape == target.shape:
         return 1.0
-    group = int((target != IGNORE_INDEX).sum())
-    return size * int((cut != IGNORE_INDEX).sum()) / group if group else 1.0
+    targets = SplitBatch(cut, target.size(1), _targets(cut), _targets(target))
+    return targets.loss_weight(size)
+
+
+def _targets(labels: Tensor) -> int:
+    return int((labels != IGNORE_INDEX).sum())
 
 
 def gather_sequence(tensor: Tensor, group: Any, size: int) -> Tensor:
@@ -189,10 +192,9 @@ def gather_sequence(tensor: Tensor, group: Any, size: int) -> Tensor:
     tensor = tensor.detach().contiguous()
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)
-    halves = [part.chunk(2, dim=1) for part in parts]  # rank r: chunks r and 2c - 1 - r
-    heads = [head for head, _ in halves]  # chunks 0 .. c-1
-    tails = [tail for _, tail in reversed(halves)]  # chunks c .. 2c-1
-    return torch.cat(heads + tails, dim=1)
+    gathered = torch.cat(parts, dim=1)  # rank after rank: group_positions' order
+    order = torch.argsort(group_positions(gathered.size(1), size, gathered.device))
+    return gathered.index_select(1, order)
 
 
 def gather_outputs(value: Any, seq_len: int, group: Any, size: int) -> Any:
@@ -211,16 +213,23 @@ def gather_outputs(value: Any, seq_len: int, group: Any, size: int) -> Any:
     return value
 
 
+def cut_for_rank(cp: Any, batch: Any, owner: str = "ShardStrategy") -> tuple[Any, float]:
+    """``batch`` cut to this rank's chunks of each sequence, with the group's sequence set on ``cp`` (a
+    :class:`~lightning_shard.context_parallel.ContextParallel`) until the next cut: a recompute during
+    backward needs it; and the weight of this rank's mean loss (:meth:`SplitBatch.loss_weight`). Both doors
+    cut here, per step."""
+    split = split_batch(batch, cp.size, cp.rank, owner)
+    cp.begin(split.seq_len)
+    return split.batch, split.loss_weight(cp.size)
+
+
 def cut_pair(cp: Any, inputs: tuple[Any, ...], target: Any) -> tuple[tuple[Any, ...], Any, float]:
-    """Pipeline stages: ``(inputs, target)`` cut to this rank's chunks of each sequence, the group's sequence
-    set on ``cp`` (a :class:`~lightning_shard.context_parallel.ContextParallel`, or ``None``: nothing cut),
-    and the weight of this rank's mean loss (:func:`target_weight`). The stages' activations then carry
-    ``T / c`` tokens, the shapes a schedule infers on its first step."""
+    """Pipeline stages: ``(inputs, target)`` cut by :func:`cut_for_rank` (``cp`` ``None``: nothing cut), and
+    the weight of this rank's mean loss counted on the target (:func:`target_weight`). The stages'
+    activations then carry ``T / c`` tokens, the shapes a schedule infers on its first step."""
     if cp is None:
         return inputs, target, 1.0
-    split = split_batch((inputs, target), cp.size, cp.rank)
-    cp.begin(split.seq_len)
-    cut_inputs, cut_target = split.batch
+    (cut_inputs, cut_target), _ = cut_for_rank(cp, (inputs, target))
     return cut_inputs, cut_target, target_weight(target, cut_target, cp.size)
 
 

@@ -24,7 +24,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_shard.config import ShardConfig
-from lightning_shard.context_parallel import ContextParallel, split_batch
+from lightning_shard.context_parallel import ContextParallel
+from lightning_shard.context_parallel.batch import cut_for_rank
 
 
 class FabricContextParallel:
@@ -59,11 +60,9 @@ class FabricContextParallel:
                 " attention over the group, which fabric.setup installs: set the model up first."
             )
         self.end_cut()  # a batch that cannot be cut leaves no earlier sequence behind
-        split = split_batch(batch, cp.size, cp.rank, owner="ShardFabricStrategy")
-        cp.begin(split.seq_len)
-        self._cut_weight = split.loss_weight(cp.size)
+        cut, self._cut_weight = cut_for_rank(cp, batch, owner="ShardFabricStrategy")
         self._cut_by_loop = True
-        return split.batch
+        return cut
 
     def end_cut(self) -> None:
         """The model runs whole sequences again, as on one process (evaluation after training, say), and

@@ -19,8 +19,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_shard.compile import recompiles
-from lightning_shard.context_parallel import scale_loss, split_batch
-from lightning_shard.context_parallel.batch import gather_outputs
+from lightning_shard.context_parallel import scale_loss
+from lightning_shard.context_parallel.batch import cut_for_rank, gather_outputs
 from lightning_shard.core.processes import guarded
 from lightning_shard.engines import Engine
 from lightning_shard.trainer._preemption import Preemption
@@ -100,9 +100,8 @@ class EngineSteps(ProcessGroupStrategy):
         cp = self.context_parallel
         if cp is None or not args:
             return args, 1.0
-        split = split_batch(args[0], cp.size, cp.rank)
-        cp.begin(split.seq_len)
-        return (split.batch, *args[1:]), split.loss_weight(cp.size)
+        batch, weight = cut_for_rank(cp, args[0])
+        return (batch, *args[1:]), weight
 
     @override
     @guarded
