@@ -79,6 +79,7 @@ def _fit(
     validate: bool = False,
     n_layers: int = 2,
     tied: bool = False,
+    accumulate: int = 2,
     **flags: Any,
 ) -> dict[str, Any]:
     recorder = LossRecorder()
@@ -88,7 +89,10 @@ def _fit(
         strategy=ShardStrategy(**flags) if world > 1 else "auto",
         callbacks=[recorder],
         **trainer_kwargs(
-            max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, gradient_clip_algorithm="norm"
+            max_steps=3,
+            accumulate_grad_batches=accumulate,
+            gradient_clip_val=CLIP,
+            gradient_clip_algorithm="norm",
         ),
     )
     model = _model(optimizer, n_layers, tied)
@@ -108,9 +112,16 @@ def _fit(
     return out
 
 
-def _check(result: dict[str, Any], optimizer: str, name: str, n_layers: int = 2) -> None:
-    expected = _fit(optimizer, validate=True, n_layers=n_layers)
-    assert len(result["losses"]) == 6
+def _check(
+    result: dict[str, Any],
+    optimizer: str,
+    name: str,
+    n_layers: int = 2,
+    tied: bool = False,
+    accumulate: int = 2,
+) -> None:
+    expected = _fit(optimizer, validate=True, n_layers=n_layers, tied=tied, accumulate=accumulate)
+    assert len(result["losses"]) == 3 * accumulate
     torch.testing.assert_close(
         result["losses"], expected["losses"], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
     )
@@ -205,6 +216,52 @@ def test_two_stages_by_two_data_parallel_ranks_follow_one_process(flags):
     assert ranks[0]["weights"].keys() == ranks[1]["weights"].keys()
     for rank in ranks:
         _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}", n_layers=flags.get("n_layers", 2))
+
+
+# ZeRO-1 with one optimizer step per batch: the demo GPT as users run it (its head tied to the embedding, its
+# own AdamW of two param groups and cosine schedule), and plain SGD; clipping on. The stand-ins ZeRO-1 steps
+# for the stages' DTensor parameters once kept the gradient of an earlier batch (or none) whenever a
+# backward replaced the parameters' gradients, so without accumulation stage 1 trained differently.
+ZERO1_NO_ACCUMULATION = {
+    f"{optimizer}, stage {stage}": dict(optimizer=optimizer, stage=stage)
+    for optimizer in ("sgd", "adamw")
+    for stage in (1, 0)
+}
+
+
+def _zero1_no_accumulation() -> dict[str, dict[str, Any]]:
+    world = int(os.environ["WORLD_SIZE"])
+    return {
+        name: _fit(
+            case["optimizer"],
+            world,
+            tied=True,
+            accumulate=1,
+            stage=case["stage"],
+            pipeline_parallel_size=2,
+            microbatches=2,
+        )
+        for name, case in ZERO1_NO_ACCUMULATION.items()
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["one data-parallel rank per stage", "pp2 x dp2"])
+def test_zero1_without_accumulation_follows_stage_0_and_one_process(world):
+    ranks = run_ranks(_zero1_no_accumulation, world_size=world)
+    last = world // 2  # the first rank of the second stage
+    for name, case in ZERO1_NO_ACCUMULATION.items():
+        merged = {**ranks[0][name]["weights"], **ranks[last][name]["weights"]}
+        for rank in ranks:
+            _check(
+                {**rank[name], "weights": merged},
+                case["optimizer"],
+                f"pp2 x dp{world // 2}, {name}, no accumulation",
+                tied=True,
+                accumulate=1,
+            )
+        if case["stage"] == 1:  # the same numbers as stage 0's run, not only close to one process's
+            stage0 = ranks[0][name.replace("stage 1", "stage 0")]
+            torch.testing.assert_close(ranks[0][name]["losses"], stage0["losses"], rtol=1e-6, atol=0)
 
 
 def _pp2_dp2_zero1() -> dict[str, Any]:

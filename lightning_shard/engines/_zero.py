@@ -20,34 +20,63 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_shard._modules import TIED_COPY
 from lightning_shard.engines._shm import shared_memory_group
 
 _NAMED: dict[type, type[ZeroRedundancyOptimizer]] = {}
+
+
+class _StandIn(nn.Parameter):
+    """A plain parameter that ZeroRedundancyOptimizer can broadcast and step, standing in for a DTensor one.
+
+    Its ``grad`` is read from the DTensor parameter's gradient at every access (that gradient's local
+    tensor, shared, not copied), so every reader sees the gradient of the moment: the optimizer's step,
+    gradient clipping, the loss scaler, the non-finite check, callbacks. A copy taken at one point went
+    stale whenever the parameter's gradient was replaced later (a backward into a zeroed gradient, a
+    pipeline schedule's gradients added at Lightning's backward), and the step then used the previous
+    batch's gradient or none at all.
+    """
+
+    target: DTensor
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        grad = self.target.grad
+        return None if grad is None else grad.to_local()  # type: ignore[attr-defined]
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        target = self.target
+        target.grad = (
+            None
+            if value is None
+            else DTensor.from_local(
+                value, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
+            )
+        )
+
+
+def _stand_in(param: DTensor) -> _StandIn:
+    stand_in = _StandIn(param.to_local().detach(), requires_grad=param.requires_grad)
+    stand_in.target = param
+    if getattr(param, TIED_COPY, False):  # the clip norm counts a tied parameter's first copy only
+        setattr(stand_in, TIED_COPY, True)
+    return stand_in
 
 
 class _ZeroOptimizer(ZeroRedundancyOptimizer):
     #: ``(stand-in, DTensor parameter)`` pairs where the parameters are DTensors (see :func:`shard_optimizer`).
     _stand_ins: list[tuple[nn.Parameter, DTensor]] = []
 
-    def attach_grads(self) -> None:
-        """Point each stand-in at its DTensor parameter's local tensor and gradient (both shared, not copied):
-        what the loss scaler unscales, what clipping scales and what the step updates is the parameter's."""
+    def attach_params(self) -> None:
+        """Point each stand-in at its DTensor parameter's local tensor (shared, not copied), which FSDP2 may
+        have moved since set-up: what the step updates and broadcasts is the parameter's."""
         for stand_in, param in self._stand_ins:
             stand_in.data = param.to_local().detach()
-            grad = param.grad
-            stand_in.grad = None if grad is None else grad.to_local()  # type: ignore[attr-defined]
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
-        self.attach_grads()
+        self.attach_params()
         return super().step(closure, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for _, param in self._stand_ins:
-            if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.zero_()
 
     def _sync_params(self) -> None:
         """After a step each rank sends its updated partition to the others (torch: one broadcast per rank's
@@ -84,7 +113,7 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
 
     DTensor parameters (replicated over ``process_group`` by FSDP2's ``replicate()``: pipeline stages,
     tensor parallelism), which ZeroRedundancyOptimizer cannot broadcast, are each given to it as a plain
-    stand-in that shares the parameter's local tensor and gradient (:meth:`_ZeroOptimizer.attach_grads`).
+    stand-in that shares the parameter's local tensor and gradient (:class:`_StandIn`).
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
@@ -94,7 +123,7 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
         params = []
         for p in group["params"]:
             if isinstance(p, DTensor):
-                stand_in = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                stand_in = _stand_in(p)
                 stand_ins.append((stand_in, p))
                 p = stand_in
             params.append(p)
