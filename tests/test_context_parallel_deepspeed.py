@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
 
 from tests.test_context_parallel_multirank import (  # noqa: E402  (needs transformers)
     EPOCH,
+    TILE_MODULES,
     Llama,
     Seen,
+    Tokens,
     _close,
     _fit,
     _gpt,
@@ -54,15 +56,18 @@ def _strategy(cp: int = 2, **flags: Any) -> ShardStrategy:
 def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (model, optimizer, flags) in CASES.items():
-        seen = Seen()
+        seen, tiles = Seen(), Tokens(*TILE_MODULES[model])
         if model == "gpt":
             # Lightning's DistributedSampler from the strategy's kwargs: both cp ranks read the same rows.
             data = DataLoader(token_dataset(), batch_size=8)
             extra: dict[str, Any] = dict(use_distributed_sampler=True)
-            results[name] = _fit(_gpt(optimizer), data, _strategy(**flags), callbacks=[seen], **extra)
+            results[name] = _fit(_gpt(optimizer), data, _strategy(**flags), callbacks=[seen, tiles], **extra)
         else:
-            results[name] = _fit(Llama(optimizer), _llama_data(2), _strategy(**flags), callbacks=[seen])
+            results[name] = _fit(
+                Llama(optimizer), _llama_data(2), _strategy(**flags), callbacks=[seen, tiles]
+            )
         results[f"{name} tokens"] = sorted(set(seen.tokens))
+        results[f"{name} tiles"] = (*tiles.seen.values(), sorted(tiles.dims[TILE_MODULES[model][0]]))
     # ZeRO-3 with SGD, written at step 3 (the end of an epoch of 48 rows) and resumed to step 6.
     every3 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
     seen = Seen()
@@ -91,15 +96,25 @@ def _shuffled() -> DataLoader:
     return DataLoader(dataset, batch_size=8, sampler=sampler)
 
 
+#: The tiled case's output head and first MLP layer per call on each rank: (the head's tokens, the MLP layer's
+#: tokens, the head's input dimensions). Untiled: each rank's 8 rows x 8 tokens = 64, the head given 3-D input.
+#: tiled_loss=16: flat (16, width) tiles; tiled_mlp=2: 2 positions x 8 rows.
+TILED = {"llama allgather zero-3 sgd tiled": (16, 16, [2])}
+
+
 def test_deepspeed_cp2_follows_one_process_and_resumes_at_cp1_and_cp2(tmp_path):
-    results = run_ranks(_two_ranks, str(tmp_path), world_size=2)[0]
+    ranks = run_ranks(_two_ranks, str(tmp_path), world_size=2)
+    results = ranks[0]
     sgd6 = _fit(sgd_gpt(), loader(8, EPOCH), "auto", 6)
     refs = {
         "gpt adamw": _fit(_gpt("adamw"), _shuffled(), "auto"),
         "llama sgd": _fit(Llama("sgd"), dict_loader(8), "auto"),
     }
-    for name in [*CASES, "gpt allgather zero-3 sgd"]:  # each rank's model read half of each sequence
-        assert results[f"{name} tokens"] == [SEQ // 2], (name, results[f"{name} tokens"])
+    for rank in ranks:
+        for name in [*CASES, "gpt allgather zero-3 sgd"]:  # each rank's model read half of each sequence
+            assert rank[f"{name} tokens"] == [SEQ // 2], (name, rank[f"{name} tokens"])
+        for name, tiles in TILED.items():  # the tiled MLP and loss acted on every rank
+            assert rank[f"{name} tiles"] == tiles, (name, rank[f"{name} tiles"])
     for name, (model, optimizer, _flags) in CASES.items():
         _close(results[name], refs[f"{model} {optimizer}"], name)
     _close(results["gpt allgather zero-3 sgd"], sgd6[:6], "gpt allgather zero-3 sgd")

@@ -8,6 +8,7 @@ one 4-rank job (CP2 x DP2, and the cp=2 checkpoint resumed there).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -15,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_shard import ShardStrategy
@@ -147,6 +149,31 @@ class Seen(L.Callback):
                 self.tp_weights += 1
 
 
+class Tokens(L.Callback):
+    """Rank's largest token counts seen per call by the output head (a tile of the tiled loss) and by an MLP's
+    first layer (a tile of the tiled MLP: positions x rows), as that layer is called (before any tensor-parallel
+    input style), and the ranks of the tensors each was given (the tiled loss gives the head flat tiles)."""
+
+    def __init__(self, head: str, mlp: str) -> None:
+        self.names, self.seen = (head, mlp), {head: 0, mlp: 0}
+        self.dims: dict[str, set[int]] = {head: set(), mlp: set()}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name, module in pl_module.named_modules():
+            for key in self.names:
+                if name.endswith(key):
+                    module.register_forward_pre_hook(functools.partial(self._record, key), prepend=True)
+
+    def _record(self, key: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        self.seen[key] = max(self.seen[key], x.shape[:-1].numel())
+        self.dims[key].add(x.dim())
+
+
+#: The modules :class:`Tokens` watches, per model.
+TILE_MODULES = {"gpt": ("model.head", "blocks.0.mlp.0"), "llama": ("lm_head", "layers.0.mlp.gate_proj")}
+
+
 def _gpt(optimizer: str) -> L.LightningModule:
     return sgd_gpt() if optimizer == "sgd" else tiny_gpt()
 
@@ -190,32 +217,54 @@ TWO_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _run(model: str, optimizer: str, flags: dict[str, Any], cp: int = 2) -> Any:
+def _run(model: str, optimizer: str, flags: dict[str, Any], cp: int = 2) -> dict[str, Any]:
+    """The losses, the token counts each step's embedding read on this rank (its cut of each sequence), the
+    tensor-parallel weights, and what the output head and an MLP's first layer were given (their tiles)."""
     strategy = ShardStrategy(context_parallel_size=cp, **flags)
     tp = flags.get("tensor_parallel_size", 1)
-    if tp == 1:
-        if model == "gpt":
-            return _fit(_gpt(optimizer), _gpt_data(cp), strategy)
-        return _fit(Llama(optimizer), _llama_data(cp), strategy)
-    seen = Seen()
+    seen, tiles = Seen(), Tokens(*TILE_MODULES[model])
     module = _gpt(optimizer) if model == "gpt" else Llama(optimizer)
     data = _gpt_data(cp, tp=tp) if model == "gpt" else _llama_data(cp, tp)
-    losses = _fit(module, data, strategy, callbacks=[seen])
-    return {"losses": losses, "tokens": sorted(set(seen.tokens)), "tp weights": seen.tp_weights}
+    losses = _fit(module, data, strategy, callbacks=[seen, tiles])
+    return {
+        "losses": losses,
+        "tokens": sorted(set(seen.tokens)),
+        "tp weights": seen.tp_weights,
+        "tiles": tiles.seen,
+        "head dims": sorted(tiles.dims[TILE_MODULES[model][0]]),
+    }
+
+
+def _check_run(
+    ranks: list[dict[str, Any]], name: str, flags: dict[str, Any], tiles: Any = None
+) -> list[float]:
+    """Every rank's model read only its cut of each sequence (half of it: the ranks of a group read the same
+    rows), its weights split where tensor parallelism is on, and its head and MLPs tiled as ``tiles`` says
+    (``(head tile, MLP tile, head dims)``); rank 0's losses."""
+    for rank, result in enumerate(r[name] for r in ranks):
+        assert result["tokens"] == [SEQ // 2], (name, rank, result["tokens"])
+        assert (result["tp weights"] > 0) == ("tensor_parallel_size" in flags), (name, rank, result)
+        if tiles is not None:
+            head, mlp, dims = tiles
+            assert list(result["tiles"].values()) == [head, mlp], (name, rank, result["tiles"])
+            assert result["head dims"] == dims, (name, rank, result["head dims"])
+    return ranks[0][name]["losses"]
 
 
 def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
     results: dict[str, Any] = {name: _run(*case) for name, case in TWO_RANKS.items()}
     # Written at cp=2 (step 3 of 6: the end of an epoch of 48 rows), read at cp=1 x dp=2.
     every3 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
+    seen = Seen()
     results["saved"] = _fit(
         sgd_gpt(),
         _gpt_data(2, EPOCH),
         ShardStrategy(context_parallel_size=2),
         6,
-        callbacks=[every3],
+        callbacks=[every3, seen],
         enable_checkpointing=True,
     )
+    results["saved tokens"] = sorted(set(seen.tokens))
     ckpt = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt")
     results["resumed at cp=1 x dp=2"] = _fit(
         sgd_gpt(), _gpt_data(1, EPOCH), ShardStrategy(), 6, ckpt_path=ckpt
@@ -228,7 +277,9 @@ def _two_ranks(ckpt_dir: str) -> dict[str, Any]:
     compiled = ShardStrategy(
         stage=3, context_parallel_size=2, context_parallel_method="ulysses", compile=_COMPILE
     )
-    results["compiled"] = _fit(sgd_gpt(), _gpt_data(2), compiled)
+    seen = Seen()
+    results["compiled"] = _fit(sgd_gpt(), _gpt_data(2), compiled, callbacks=[seen])
+    results["compiled tokens"] = sorted(set(seen.tokens))
     results["compiled frames"], results["recompiles"] = counters["frames"]["ok"] - frames, compiled.recompiles
     results["mfu"] = _mfu(ShardStrategy(stage=3, context_parallel_size=2), _gpt_data(2))
     # Built on the meta device, sharded, then allocated and initialised: as over the same ranks without CP.
@@ -286,9 +337,9 @@ def _close(actual: list[float], expected: list[float], name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> tuple[dict[str, Any], str]:
+def two_ranks(tmp_path_factory) -> tuple[list[dict[str, Any]], str]:
     ckpt_dir = str(tmp_path_factory.mktemp("cp2"))
-    return run_ranks(_two_ranks, ckpt_dir, world_size=2)[0], ckpt_dir
+    return run_ranks(_two_ranks, ckpt_dir, world_size=2), ckpt_dir
 
 
 @pytest.fixture(scope="module")
@@ -296,10 +347,24 @@ def refs() -> dict[str, list[float]]:
     return _references()
 
 
+#: What the tiled cases' output head and first MLP layer were given per call on each rank: (the head's tokens,
+#: the MLP layer's tokens, the head's input dimensions). Untiled, each rank's 8 rows x 8 tokens (half of each
+#: sequence) = 64 tokens, the head given (rows, tokens, width).
+TILES = {
+    # tiled_loss=16: (16, width) tiles of the 64; tiled_mlp=2: 2 positions x 8 rows
+    "gpt ulysses stage 3 sgd tiled": (16, 16, [2]),
+    # tiled_loss=True: ceil(64 x width / vocab) < 1024 tokens, so one flat tile of all 64; tiled_mlp=4: 4 x 8
+    "llama allgather stage 2 adamw tiled": (64, 32, [2]),
+}
+
+
 def test_cp2_follows_one_process_and_resumes_at_cp1(two_ranks, refs):
-    results, _ = two_ranks
-    for name, (model, optimizer, _flags) in TWO_RANKS.items():
-        _close(results[name], refs[f"{model} {optimizer}"], name)
+    ranks, _ = two_ranks
+    results = ranks[0]
+    for name, (model, optimizer, flags) in TWO_RANKS.items():
+        _close(_check_run(ranks, name, flags, TILES.get(name)), refs[f"{model} {optimizer}"], name)
+    for rank in ranks:  # each rank's model read half of each sequence
+        assert rank["saved tokens"] == rank["compiled tokens"] == [SEQ // 2], rank
     _close(results["saved"], refs["gpt sgd 6"], "saved at cp=2")
     _close(results["resumed at cp=1 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=1 x dp=2")
     torch.testing.assert_close(results["validate"], _validate("auto"), rtol=1e-5, atol=0)
@@ -335,6 +400,11 @@ FOUR_RANKS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+#: As :data:`TILES`, 4 ranks: tiled_mlp=2 on the sequence-parallel split of each rank's 8 positions (its 4):
+#: 2 positions x 8 rows.
+TILES_FOUR = {"gpt allgather cp2 x tp2 stage 3 sgd tiled": (16, 16, [2])}
+
+
 def _four_ranks(ckpt: str) -> dict[str, Any]:
     results: dict[str, Any] = {name: _run(*case) for name, case in FOUR_RANKS.items()}
     results["resumed at cp=2 x dp=2"] = _fit(
@@ -345,13 +415,10 @@ def _four_ranks(ckpt: str) -> dict[str, Any]:
 
 def test_cp2_x_dp2_follows_one_process_and_resumes_a_cp2_checkpoint(two_ranks, refs):
     _, ckpt_dir = two_ranks
-    results = run_ranks(_four_ranks, os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"), world_size=4)[0]
+    ranks = run_ranks(_four_ranks, os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"), world_size=4)
+    results = ranks[0]
     for name, (model, optimizer, flags) in FOUR_RANKS.items():
-        result = results[name]
-        if "tensor_parallel_size" in flags:  # both acted: the model read half the tokens, its weights split
-            assert result["tokens"] == [SEQ // 2] and result["tp weights"] > 0, (name, result)
-            result = result["losses"]
-        _close(result, refs[f"{model} {optimizer}"], name)
+        _close(_check_run(ranks, name, flags, TILES_FOUR.get(name)), refs[f"{model} {optimizer}"], name)
     _close(results["resumed at cp=2 x dp=2"], refs["gpt sgd 6"][6:], "resumed at cp=2 x dp=2")
 
 

@@ -38,9 +38,11 @@ def _alive(root: Path) -> list[str]:
     return [line for line in found.splitlines() if "pgrep" not in line]
 
 
-def _torchrun(torchrun_args: list[str], root: Path, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(
+    torchrun_args: list[str], root: Path, *args: str, workers: int = 2
+) -> subprocess.CompletedProcess:
     """The job under torchrun's elastic agent, 2 workers, as a user starts it (no rank variables of ours)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *torchrun_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), *torchrun_args]
     env = {
         key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
     }
@@ -280,7 +282,7 @@ def test_a_torchrun_job_that_loses_a_node_resumes_on_the_one_left_resharded(tmp_
         "--monitor-interval=0.5",
     ]
     job = [str(JOB), "--root", str(tmp_path), *_engine_args("fsdp"), "--elastic", "--resume", "last"]
-    job += ["--max-steps", "10", "--step-sleep", "0.5"]
+    job += ["--max-steps", "10", "--step-sleep", "0.5", "--digest"]
     env = {
         key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
     }
@@ -301,8 +303,27 @@ def test_a_torchrun_job_that_loses_a_node_resumes_on_the_one_left_resharded(tmp_
             for pid in _process_tree(proc.pid) if proc.poll() is None else []:
                 os.kill(pid, signal.SIGKILL)
     assert first.returncode == 0, out[-4000:]
-    assert "rank 0 of 2 starts training at step 0" in out, out[-4000:]
-    resumed = re.search(r"rank 0 of 1 starts training at step (\d+)", out)
-    assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
+    # The first attempt on 2 nodes, then torchrun's one restart on the node left.
+    starts = re.findall(r"rank 0 of (\d) starts training at step (\d+)\nrank 0 torchrun restart (\d)", out)
+    assert len(starts) == 2 and starts[0] == ("2", "0", "0"), (starts, out[-4000:])
+    world, step, restart = starts[1]
+    resumed = int(step)
+    assert (world, restart) == ("1", "1"), (starts, out[-4000:])
+    # From `last` as it was when the node died: a checkpoint written at step 4 or later, every 2 steps.
+    assert "Restoring states from the checkpoint path at" in out, out[-4000:]
+    assert resumed >= 4 and (tmp_path / "checkpoints" / f"epoch=0-step={resumed}.ckpt").is_dir(), resumed
     assert "rank 0 finished fit at step 10" in out, out[-4000:]
     assert not list(tmp_path.rglob("*.tmp"))
+    # The same weights as one process that resumes from that checkpoint and trains to the end uninterrupted.
+    reference = _torchrun(
+        ["--standalone"],
+        tmp_path / "reference",
+        *_engine_args("fsdp"),
+        *("--elastic", "--every", "0", "--max-steps", "10", "--digest"),
+        *("--resume", str(tmp_path / "checkpoints" / f"epoch=0-step={resumed}.ckpt")),
+        workers=1,
+    )
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-4000:]
+    assert f"rank 0 of 1 starts training at step {resumed}" in reference.stdout, reference.stdout[-4000:]
+    expected = _weights(reference.stdout)
+    assert len(expected) == 1 and _weights(out) == expected, (out[-2000:], reference.stdout[-2000:])

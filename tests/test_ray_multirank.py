@@ -136,18 +136,43 @@ def test_a_lost_worker_restarts_from_the_reported_sharded_checkpoint_and_ends_as
     torch.testing.assert_close(resumed["losses"], uninterrupted[STEPS_PER_EPOCH:], rtol=1e-5, atol=0)
 
 
+def _one_process_three_epochs() -> list[float]:
+    """The reshard parts' reference without Ray or the package: one process trains the job's model with plain
+    SGD for the 2 epochs the 2 workers trained (their 2 x 4 rows per step are one step of 8 rows), then the third
+    epoch as the one worker trains it (4 rows per step), every epoch in the order Lightning's sampler gives one
+    replica (shuffled with seed 0, reseeded per epoch); returns the third epoch's losses."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from tests.jobs.ray_job import JobModule, _data
+
+    model = JobModule(run_id=0)
+    optimizer = model.configure_optimizers()
+    data = _data().dataset
+    losses = []
+    for epoch in range(3):
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=8 if epoch < 2 else 4, sampler=sampler):
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses[2 * STEPS_PER_EPOCH :]
+
+
 @pytest.mark.parametrize("name", ["fsdp3", "deepspeed3"])
 def test_a_checkpoint_of_two_workers_resumes_on_one(job, name):
     _part(job, "reshard")
     (one,) = _ranks(job, "reshard", name, 1)
     assert one["start"] == 2 * STEPS_PER_EPOCH  # the 2-worker checkpoint of epoch 2, resharded
     assert len(one["losses"]) == 2 * STEPS_PER_EPOCH  # the third epoch, all of it on one worker
-    assert all(torch.isfinite(torch.tensor(one["losses"])))
     if name == "fsdp3":
         assert one["reported"] == [DCP_RANK0]
-    # The same weights and step on one worker: both engines' resharded resumes agree.
-    (fsdp,) = _ranks(job, "reshard", "fsdp3", 1)
-    torch.testing.assert_close(one["losses"], fsdp["losses"], rtol=1e-5, atol=0)
+    # The weights and step resumed on one worker are those of an uninterrupted run in one process (measured:
+    # 1.2e-7 relative; a resume that loses the weights or reads the wrong epoch is off by far more).
+    expected = _one_process_three_epochs()
+    torch.testing.assert_close(one["losses"], expected, rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 # --- outside a Ray worker: a clear error at Trainer construction (no Ray cluster needed) ----------

@@ -52,7 +52,10 @@ def test_quickstart_and_ci_name_what_nvme_offload_needs_and_what_tests_skip_on()
     assert "apt-get install libaio-dev" in setup  # tests marked needs_libaio skip without it
     assert "apt-get install -y -qq libaio-dev" in (ROOT / ".ci/run").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    for marker in ("deepspeed", "needs_libaio", "cuda", "needs_fp16_cpu"):  # the conftest's skip markers
+    from tests.conftest import _NEEDS  # the conftest's skip markers, so a new one must reach the README
+
+    assert {"deepspeed", "needs_libaio", "cuda", "needs_fp16_cpu", "torchao"} <= set(_NEEDS)
+    for marker in _NEEDS:
         assert f"`{marker}`" in section and f'"{marker}: ' in pyproject, marker
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_shard import ShardStrategy
 from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp, linear_cross_entropy, loss_tile
 from tests.helpers import LossRecorder, loader, tiny_gpt, tiny_llama_config, trainer_kwargs
-from tests.test_context_parallel_multirank import Llama, dict_loader
+from tests.test_context_parallel_multirank import Llama, Tokens, dict_loader
 
 
 def _saved_numels(fn: Any) -> list[int]:
@@ -66,23 +66,6 @@ def test_tiled_mlp_keeps_one_tile_of_hidden_units():
     # The tiles' inputs only (each a view of x, seen twice: by the checkpoint and its first layer), the
     # hidden units recomputed per tile in backward.
     assert sum(tiled) <= 2 * x.numel()
-
-
-class Tokens(L.Callback):
-    """Rank 0's largest token counts seen by the output head and by the MLPs' first layer, per call."""
-
-    def __init__(self, head: str, mlp: str) -> None:
-        self.names, self.seen = (head, mlp), {head: 0, mlp: 0}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for name, module in pl_module.named_modules():
-            for key in self.names:
-                if name.endswith(key):
-                    module.register_forward_pre_hook(
-                        lambda _, args, key=key: self.seen.__setitem__(
-                            key, max(self.seen[key], args[0].shape[:-1].numel())
-                        )
-                    )
 
 
 def _fit(model: L.LightningModule, data: Any, strategy: Any, tokens: Tokens | None = None) -> list[float]:

@@ -54,6 +54,9 @@ class JobModule(GPTModule):
             f"rank {self.global_rank} of {self.trainer.world_size} starts training at step {self.global_step}",
             flush=True,
         )
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun's agent
+        if restarts is not None:
+            print(f"rank {self.global_rank} torchrun restart {restarts}", flush=True)
 
     def on_exception(self, exception: BaseException) -> None:
         print(
