@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shard.checkpoint import CheckpointLoadError
-from lightning_shard.checkpoint.init_weights import InitWeightsError
-from lightning_shard.config import ShardConfig
-from lightning_shard.core.processes import CollectiveTimeoutError
-from lightning_shard.core.registry import register_names
-from lightning_shard.fabric import ShardFabricStrategy
-from lightning_shard.precision import ShardPrecision
-from lightning_shard.trainer.strategy import ShardStrategy
+from lightning_shard.core.registry import LazyClass, register_names
 
 __version__ = "0.1.0"
 
@@ -35,7 +28,17 @@ __all__ = [
     "ThroughputMonitorFlops",
 ]
 
+# Imported on first use, so that ``import lightning_shard`` (and the Fabric door, the core, the engines and
+# the capability packages under it) loads no Trainer code: ``from lightning_shard import ShardStrategy`` works
+# as before.
 _LAZY = {
+    "ShardStrategy": "lightning_shard.trainer.strategy",
+    "ShardPrecision": "lightning_shard.trainer.precision",
+    "ShardFabricStrategy": "lightning_shard.fabric",
+    "ShardConfig": "lightning_shard.config",
+    "CheckpointLoadError": "lightning_shard.checkpoint",
+    "InitWeightsError": "lightning_shard.checkpoint.init_weights",
+    "CollectiveTimeoutError": "lightning_shard.core.processes",
     "ActivationCheckpointing": "lightning_shard.activation_checkpointing",
     "EMA": "lightning_shard.averaging",
     "MFUMonitor": "lightning_shard.callbacks",
@@ -52,8 +55,18 @@ def __getattr__(name: str) -> Any:
 
 
 def _register_strategies() -> None:
-    register_names(StrategyRegistry, ShardStrategy)
-    register_names(STRATEGY_REGISTRY, ShardFabricStrategy)
+    # The Trainer's registry is Lightning's own (``lightning.pytorch.strategies.StrategyRegistry``), imported
+    # with it by ``import lightning``: registered there only once that module is loaded, without loading it.
+    register_names(STRATEGY_REGISTRY, LazyClass("lightning_shard.fabric", "ShardFabricStrategy"))
+    trainer_registry = sys.modules.get("lightning.pytorch.strategies")
+    if trainer_registry is not None:
+        register_names(
+            trainer_registry.StrategyRegistry, LazyClass("lightning_shard.trainer.strategy", "ShardStrategy")
+        )
 
 
 _register_strategies()
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

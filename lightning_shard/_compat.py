@@ -1,4 +1,5 @@
-"""Every private torch / Lightning API the core uses, imported here and nowhere else.
+"""Every private torch / Lightning Fabric API below the doors, imported here and nowhere else (the Trainer's own
+are in :mod:`lightning_shard.trainer._compat`).
 
 Each one is imported under a guard. Where the public API can do the same job, a fallback written on
 it takes over when a release removes the private one (the tests run every fallback against the real
@@ -9,16 +10,13 @@ package was tested with, so a new release degrades one feature instead of breaki
 
 from __future__ import annotations
 
-import functools
 import os
-import signal
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.trainer import Trainer
 from torch.distributed.fsdp import FSDPModule
 
 TESTED = "torch 2.6-2.13, lightning 2.5-2.6"
@@ -88,26 +86,6 @@ try:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 except ImportError:  # pragma: no cover
     optimizers_to_device = optimizers_to_device_fallback  # type: ignore[assignment]
-
-
-# --- Lightning's step routing and launcher (no public equivalent) ----------------------------------
-
-try:
-    from lightning.pytorch.strategies.strategy import _ForwardRedirection as ForwardRedirection
-except ImportError as error:  # pragma: no cover
-    ForwardRedirection = _unavailable("lightning.pytorch.strategies.strategy._ForwardRedirection", error)  # type: ignore[misc,assignment]
-try:
-    from lightning.pytorch.strategies.ddp import _DDPForwardRedirection as DDPForwardRedirection
-except ImportError as error:  # pragma: no cover
-    DDPForwardRedirection = _unavailable("lightning.pytorch.strategies.ddp._DDPForwardRedirection", error)  # type: ignore[misc,assignment]
-try:
-    from lightning.pytorch.strategies.launchers.subprocess_script import (
-        _SubprocessScriptLauncher as SubprocessScriptLauncher,
-    )
-except ImportError as error:  # pragma: no cover
-    SubprocessScriptLauncher = _unavailable(  # type: ignore[misc,assignment]
-        "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher", error
-    )
 
 
 # --- process groups torch keeps, and FSDP2's cached ones ------------------------------------------
@@ -250,36 +228,6 @@ def refresh_fsdp_groups(module: torch.nn.Module) -> None:
                     info.reduce_scatter_process_group = None
 
 
-# --- Lightning's SIGTERM handler ----------------------------------------------------------------------
-
-
-def replace_sigterm_notifier(trainer: Any, handler: Callable[[int, Any], None]) -> bool:
-    """Swap Lightning's SIGTERM notifier for ``handler``, keeping every other handler it composed.
-
-    Returns ``False`` (and changes nothing) when this Lightning release composes its handlers some
-    other way.
-    """
-    try:  # private Lightning API, imported where used: a release without it leaves the handlers as they are
-        from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-    except ImportError:  # pragma: no cover
-        return False
-    composed = signal.getsignal(signal.SIGTERM)
-    handlers = getattr(composed, "signal_handlers", None)
-    if not isinstance(handlers, list):
-        return False
-    notifier = _SignalConnector._sigterm_notifier_fn
-    for index, current in enumerate(handlers):
-        if getattr(current, "__func__", None) is notifier:
-            handlers[index] = handler
-            return True
-    return False
-
-
-def mark_sigterm_received(trainer: Any) -> None:
-    """Set ``trainer.received_sigterm``, which Lightning's loops read to stop and raise ``SIGTERMException``."""
-    trainer._signal_connector.received_sigterm = True
-
-
 # --- torch.distributed.checkpoint's key flattening ----------------------------------------------------
 
 
@@ -319,69 +267,6 @@ def build_directory() -> Path:
         return Path(root)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "torch_extensions"
-
-
-#: Set on a Trainer by :func:`record_weights_only`: the ``weights_only`` of the running fit/validate/test/predict.
-WEIGHTS_ONLY_ATTR = "_lightning_shard_weights_only"
-
-
-def record_weights_only() -> bool:
-    """Keep the ``weights_only`` a Trainer call was given where the strategy can read it.
-
-    Lightning 2.6 passes it to ``strategy.load_checkpoint`` only for strategies that restore before set-up;
-    for those that restore after (its own FSDP and DeepSpeed strategies, and this one) ``Trainer._run``
-    drops it, so ``fit(ckpt_path=..., weights_only=False)`` would never reach the loader. Wrapping
-    ``Trainer._run`` records it on the Trainer. Returns whether the wrapper is in place.
-    """
-    run = getattr(Trainer, "_run", None)
-    if run is None:
-        return False
-    if getattr(run, WEIGHTS_ONLY_ATTR, False):
-        return True
-
-    @functools.wraps(run)
-    def _run(self: Any, model: Any, ckpt_path: Any = None, weights_only: bool | None = None) -> Any:
-        setattr(self, WEIGHTS_ONLY_ATTR, weights_only)
-        return run(self, model, ckpt_path=ckpt_path, weights_only=weights_only)
-
-    setattr(_run, WEIGHTS_ONLY_ATTR, True)
-    Trainer._run = _run  # type: ignore[method-assign]
-    return True
-
-
-# --- Lightning's ckpt_path="last" (private: _CheckpointConnector._parse_ckpt_path) --------------------------
-
-
-_LAST_ATTR = "_lightning_shard_last"
-
-
-def resolve_last_checkpoint(resolver: Callable[[Any], str | None]) -> bool:
-    """Let ``resolver(trainer)`` answer ``ckpt_path="last"`` first; ``None`` leaves it to Lightning.
-
-    Lightning 2.6 lists a ``ModelCheckpoint`` directory on an object store without the URL scheme
-    (``bucket/run/last.ckpt``), then looks that up on the local disk, finds nothing and starts from scratch
-    with a warning: resuming from ``"last"`` never happens there, under any strategy. Returns whether the
-    wrapper is in place."""
-    # Private Lightning API, imported where used: a release without it fails this feature only.
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    parse = getattr(_CheckpointConnector, "_parse_ckpt_path", None)
-    if parse is None:
-        return False
-    if getattr(parse, _LAST_ATTR, False):
-        return True
-
-    @functools.wraps(parse)
-    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if ckpt_path == "last":
-            found = resolver(self.trainer)
-            if found is not None:
-                return found
-        return parse(self, state_fn, ckpt_path, *args, **kwargs)
-
-    setattr(_parse_ckpt_path, _LAST_ATTR, True)
-    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
-    return True
 
 
 def ring_attention_module(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:

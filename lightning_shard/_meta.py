@@ -20,7 +20,6 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,9 +66,18 @@ def has_meta(module: nn.Module) -> bool:
 def init_hook(module: nn.Module) -> Callable[[], None] | None:
     hook = getattr(type(module), INIT_HOOK, None)
     # Only the LightningModule's own hook: a wrapped Hugging Face model has an unrelated init_weights().
-    if callable(hook) and isinstance(module, L.LightningModule):
+    if callable(hook) and _is_lightning_module(module):
         return getattr(module, INIT_HOOK)
     return None
+
+
+def _is_lightning_module(module: nn.Module) -> bool:
+    # Found by its base classes, without importing the Trainer's package (whose LightningModule it is).
+    return any(
+        base.__name__ == "LightningModule"
+        and base.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+        for base in type(module).__mro__
+    )
 
 
 def _class_name(module: nn.Module) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_shard import _ddp, offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
-from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.checkpoint.init_weights import open_weights
 from lightning_shard.compile import check_compile
 from lightning_shard.compression import check_compression
@@ -65,90 +65,74 @@ class ShardConfig(ShardFlags):
         value and fix (``TypeError`` for a name that is not a flag)."""
         flags = ShardFlags(**given)
         values = {name: getattr(flags, name) for name in FLAG_NAMES}
-        stage, engine, checkpoint = flags.stage, flags.engine, flags.checkpoint
-        offload_optimizer, offload_params, nvme_path = (
+        stage = flags.stage  # narrowed below (stage='auto' with parameter offload is stage 3)
+        _check_scalars(stage, flags.engine, flags.checkpoint, flags.async_checkpoint, flags.max_skipped)
+        # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
+        engine_name = offload.validate(
+            3 if stage == "auto" else stage,
             flags.offload_optimizer,
             flags.offload_params,
             flags.nvme_path,
+            flags.engine,
         )
-        device_memory, async_checkpoint, skip_nonfinite = (
-            flags.device_memory,
-            flags.async_checkpoint,
-            flags.skip_nonfinite,
-        )
-        max_skipped, init_weights = flags.max_skipped, flags.init_weights
-        replicate_size, tensor_parallel_size = flags.replicate_size, flags.tensor_parallel_size
-        pipeline_parallel_size, gradient_compression = (
-            flags.pipeline_parallel_size,
-            flags.gradient_compression,
-        )
-        activation_checkpointing, tensor_parallel_plan = (
-            flags.activation_checkpointing,
-            flags.tensor_parallel_plan,
-        )
-        pipeline_schedule, microbatches = flags.pipeline_schedule, flags.microbatches
-        stages_per_rank, pipeline_split_points = flags.stages_per_rank, flags.pipeline_split_points
-        _check_scalars(stage, engine, checkpoint, async_checkpoint, max_skipped)
-        # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
-        engine_name = offload.validate(
-            3 if stage == "auto" else stage, offload_optimizer, offload_params, nvme_path, engine
-        )
-        if stage == "auto" and offload_params is not None:
+        if stage == "auto" and flags.offload_params is not None:
             stage = 3  # parameter offload exists only at stage 3: nothing left to choose
-        if device_memory is not None:
+        if flags.device_memory is not None:
             if stage != "auto":
                 raise ValueError(
-                    f"ShardStrategy(device_memory={device_memory!r}) is only used with stage='auto' (got stage={stage})."
+                    f"ShardStrategy(device_memory={flags.device_memory!r}) is only used with stage='auto' (got stage={stage})."
                     " Drop device_memory or set stage='auto'."
                 )
-            parse_size(device_memory, "ShardStrategy(device_memory)")
-        if engine_name == "deepspeed" and (async_checkpoint or skip_nonfinite):
-            flag = "async_checkpoint=True" if async_checkpoint else "skip_nonfinite=True"
+            parse_size(flags.device_memory, "ShardStrategy(device_memory)")
+        if engine_name == "deepspeed" and (flags.async_checkpoint or flags.skip_nonfinite):
+            flag = "async_checkpoint=True" if flags.async_checkpoint else "skip_nonfinite=True"
             raise ValueError(
-                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for engine={engine!r},"
-                f" offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r}). DeepSpeed writes"
+                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for engine={flags.engine!r},"
+                f" offload_optimizer={flags.offload_optimizer!r}, offload_params={flags.offload_params!r}). DeepSpeed writes"
                 " its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine for this flag."
             )
-        if engine_name == "deepspeed" and checkpoint == "full":
+        if engine_name == "deepspeed" and flags.checkpoint == "full":
             raise ValueError(
                 "ShardStrategy(checkpoint='full') is not available with the DeepSpeed engine, which writes its own"
                 " per-rank checkpoint directory. Use checkpoint='sharded' (then `lightning-shard consolidate` makes"
                 " one file), or engine='fsdp'."
             )
-        checkpointing = ActivationCheckpointing.from_flag(
-            activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
+        checkpointing = ActivationCheckpointingConfig.from_flag(
+            flags.activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
         _check_checkpointing(stage, engine_name, checkpointing)
-        _check_init_weights(init_weights)
-        plan = _check_layout(stage, engine_name, replicate_size, tensor_parallel_size, tensor_parallel_plan)
+        _check_init_weights(flags.init_weights)
+        plan = _check_layout(
+            stage, engine_name, flags.replicate_size, flags.tensor_parallel_size, flags.tensor_parallel_plan
+        )
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
         _check_context_parallel(flags.context_parallel_size, flags.context_parallel_method)
-        _check_tiling(flags.tiled_mlp, flags.tiled_loss, pipeline_parallel_size)
+        _check_tiling(flags.tiled_mlp, flags.tiled_loss, flags.pipeline_parallel_size)
         compile_kwargs = check_compile(flags.compile, engine_name)
-        fp8 = check_fp8(flags.fp8, engine_name, stage, tensor_parallel_size)
+        fp8 = check_fp8(flags.fp8, engine_name, stage, flags.tensor_parallel_size)
         compression = check_compression(
-            gradient_compression, stage, engine_name, checkpoint, tensor_parallel_size
+            flags.gradient_compression, stage, engine_name, flags.checkpoint, flags.tensor_parallel_size
         )
         if compression is not None and (ddp_kwargs or {}).get("ddp_comm_hook") is not None:
             raise ValueError(
-                f"ShardStrategy(gradient_compression={gradient_compression!r}) and ddp_comm_hook=... both set how"
+                f"ShardStrategy(gradient_compression={flags.gradient_compression!r}) and ddp_comm_hook=... both set how"
                 " gradients are all-reduced. Keep one."
             )
         microbatches, stages_per_rank, split_points = check_pipeline_flags(
-            pipeline_parallel_size,
-            pipeline_schedule,
-            microbatches,
-            stages_per_rank,
-            pipeline_split_points,
+            flags.pipeline_parallel_size,
+            flags.pipeline_schedule,
+            flags.microbatches,
+            flags.stages_per_rank,
+            flags.pipeline_split_points,
             engine_name,
-            checkpoint,
+            flags.checkpoint,
         )
         values.update(
             stage=stage,
             engine=engine_name,
             shard_modules=resolve_module_classes(flags.shard_modules, "ShardStrategy(shard_modules=...)"),
             activation_checkpointing=checkpointing,
-            init_weights=None if init_weights is None else str(init_weights),
+            init_weights=None if flags.init_weights is None else str(flags.init_weights),
             tensor_parallel_plan=plan,
             microbatches=microbatches,
             stages_per_rank=stages_per_rank,

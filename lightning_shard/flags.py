@@ -27,7 +27,7 @@ from typing import Any, Literal
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_shard._modules import ModuleClassSpec
-from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.context_parallel import ContextParallelMethod
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.pipeline import PipelineScheduleName
@@ -60,15 +60,15 @@ class ShardFlags:
         None,
         "module classes (or import-path strings) that become sharding units at stages 2-3; ``None`` detects the"
         " model's repeated block class.",
-        "engines/_fsdp2.py, engines/deepspeed.py",
+        "engines/_fsdp2.py, core/transform.py, compile.py",
     )
     checkpoint: CheckpointMode = _flag(
         "sharded",
         "``'sharded'`` (each rank writes its shard, a directory) or ``'full'`` (one file).",
-        "engines/ (save), checkpoint/",
+        "engines/, checkpoint/",
     )
     process_group_backend: str | None = _flag(
-        None, "``'gloo'``, ``'nccl'``, ...; default gloo on CPU and nccl on CUDA.", "core/processes.py"
+        None, "``'gloo'``, ``'nccl'``, ...; default gloo on CPU and nccl on CUDA.", "core/process_groups.py"
     )
     timeout: timedelta | None = _flag(
         default_pg_timeout,
@@ -94,13 +94,13 @@ class ShardFlags:
         "engines/deepspeed.py",
     )
     pin_memory: bool | None = _flag(
-        None, "pin host buffers for offload (default: on CUDA).", "engines/fsdp.py, engines/deepspeed.py"
+        None, "pin host buffers for offload (default: on CUDA).", "engines/_fsdp2.py, engines/deepspeed.py"
     )
-    activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointing | None = _flag(
+    activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointingConfig | None = _flag(
         None,
         "``'full'``, ``'selective'`` or an ``ActivationCheckpointing`` config; the repeated blocks are"
         " checkpointed before they are sharded (the same implementation as the callback).",
-        "core/prepare.py, activation_checkpointing/",
+        "core/transform.py, activation_checkpointing/",
     )
     device_memory: int | str | None = _flag(
         None,
@@ -112,7 +112,7 @@ class ShardFlags:
     async_checkpoint: bool = _flag(
         False,
         "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
-        "engines/fsdp.py, checkpoint/async_save.py",
+        "engines/fsdp.py, fabric/strategy.py",
     )
     skip_nonfinite: bool = _flag(
         False,
@@ -131,20 +131,20 @@ class ShardFlags:
         "start from full weights: a ``torch.save`` state-dict file (``lightning-shard consolidate`` writes one),"
         " a ``.safetensors`` file, or a Hugging Face model directory. Loaded once per module, after it is"
         " sharded: each rank reads only the slices of its own shards.",
-        "core/prepare.py, checkpoint/init_weights.py",
+        "core/transform.py, checkpoint/init_weights.py",
     )
     replicate_size: int = _flag(
         1,
         "HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards the model over"
         " its own ranks (one node's, say) and gradients are all-reduced across groups.",
-        "parallel/mesh.py, engines/fsdp.py",
+        "parallel/mesh.py, core/process_groups.py",
     )
     tensor_parallel_size: int = _flag(
         1,
         "split the layers named by the plan over this many ranks (the innermost mesh dimension: keep it"
         " within a node), before FSDP2 shards over the rest; the world is ``replicate_size x shard x"
         " tensor_parallel_size`` (docs/parallelism.md).",
-        "parallel/, engines/fsdp.py",
+        "parallel/, core/process_groups.py",
     )
     tensor_parallel_plan: dict[str, Any] | None = _flag(
         None,
@@ -157,7 +157,7 @@ class ShardFlags:
         1,
         "cut the model into this many pipeline stages (the outermost mesh dimension: ``pp x replicate x"
         " shard x tp``); the module's contract is in docs/pipeline.md.",
-        "core/prepare.py, pipeline/, parallel/mesh.py",
+        "core/transform.py, pipeline/, parallel/mesh.py",
     )
     pipeline_schedule: PipelineScheduleName = _flag(
         "1f1b",
@@ -173,7 +173,7 @@ class ShardFlags:
     stages_per_rank: int | None = _flag(
         None,
         "stages on each rank (interleaved schedules only; default 1, and 2 for them).",
-        "core/prepare.py, pipeline/",
+        "core/transform.py, pipeline/",
     )
     pipeline_split_points: list[str] | None = _flag(
         None,
@@ -185,7 +185,7 @@ class ShardFlags:
         "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
         " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
         " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
-        "parallel/mesh.py, core/transform.py, context_parallel/, trainer/_steps.py, fabric/_context_parallel.py",
+        "parallel/mesh.py, core/process_groups.py, fabric/_context_parallel.py",
     )
     context_parallel_method: ContextParallelMethod = _flag(
         "allgather",
@@ -213,14 +213,14 @@ class ShardFlags:
         False,
         "``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor parallelism"
         " and activation checkpointing, before FSDP2 shards it (or DeepSpeed registers its hooks).",
-        "compile.py, engines/fsdp.py, engines/deepspeed.py",
+        "compile.py, core/transform.py",
     )
     fp8: bool | Literal["tensorwise", "rowwise"] | dict[str, Any] = _flag(
         False,
         "``True``, ``'tensorwise'``, ``'rowwise'`` or a dict of options: train the large ``nn.Linear`` layers in"
         " float8 through torchao (FSDP engine; the size rule and its overrides are in docs/fp8.md); at stages"
         " 2-3 FSDP gathers their weights in float8.",
-        "fp8.py, engines/fsdp.py",
+        "fp8.py, core/transform.py, engines/fsdp.py",
     )
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,

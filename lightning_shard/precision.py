@@ -1,7 +1,7 @@
-"""Precision for sharded training: one Lightning Precision plugin for every stage and engine.
-
-Trainer precision strings map to it automatically (``ShardStrategy`` converts Lightning's own
-plugin on assignment). The policy it encodes:
+"""The precision policy of sharded training, on torch alone: dtypes, autocast, the loss scaler, FSDP2's
+mixed-precision policy. Each door adapts it to its framework's plugin interface (the Trainer's
+:class:`~lightning_shard.ShardPrecision`, Fabric's ``FabricShardPrecision``); the engines read it (FSDP2's
+``MixedPrecisionPolicy``, DeepSpeed's ``bf16`` / ``fp16`` sections and ``communication_data_type``).
 
 ================  ===================  =================  ======================  ==============
 precision         master weights       compute            gradient reduction      loss scaling
@@ -24,23 +24,18 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, get_args
 
-import lightning as L
 import torch
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.plugins.precision.amp import MixedPrecision
-from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning.fabric.plugins.precision import HalfPrecision
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.optim import LBFGS, Optimizer
-from typing_extensions import override
 
 PrecisionStr = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionStr)
 _LOW_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
 
 
-def _check_precision(precision: str, where: str) -> None:
+def check_precision(precision: str, where: str) -> None:
     if precision not in SUPPORTED_PRECISION:
         raise ValueError(
             f"{where} got precision={precision!r}, which sharded training does not support."
@@ -48,8 +43,8 @@ def _check_precision(precision: str, where: str) -> None:
         )
 
 
-class ShardPrecision(Precision):
-    """Mixed or low precision for :class:`~lightning_shard.ShardStrategy`, with FP32 master weights.
+class PrecisionPolicy:
+    """One precision setting and everything it implies, with FP32 master weights in the mixed modes.
 
     Args:
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``.
@@ -59,7 +54,7 @@ class ShardPrecision(Precision):
     """
 
     def __init__(self, precision: PrecisionStr = "32-true", reduce_dtype: torch.dtype | None = None) -> None:
-        _check_precision(precision, "ShardPrecision")
+        check_precision(precision, "ShardPrecision")
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
         ):
@@ -68,19 +63,20 @@ class ShardPrecision(Precision):
             )
         self.precision = precision
         self.reduce_dtype = reduce_dtype
-        # bf16-true delegates to Lightning's own plugin: built once, not per forward and per batch.
+        # bf16-true's contexts are Fabric's own (default dtype, input casts): built once, not per forward.
         self._half = HalfPrecision("bf16-true") if precision == "bf16-true" else None
         self.device_type = "cpu"
         self.scaler: torch.amp.GradScaler | None = None
-        # Set by the strategy when parameters live on more than one mesh (tensor parallelism, HSDP).
+        #: Set at set-up where parameters live on more than one mesh (tensor parallelism, pipeline stages).
         self.clip_grad_norm: Callable[[list[Tensor], float], Tensor] | None = None
 
     @classmethod
-    def from_plugin(cls, plugin: ShardPrecision) -> ShardPrecision:
-        """``plugin`` as this class (an engine's own precision rules), with the same settings."""
+    def from_plugin(cls, plugin: Any) -> PrecisionPolicy:
+        """``plugin``'s settings as this class (an engine's own precision rules): ``plugin`` is a policy or a
+        door's adapter over one (anything with ``precision`` and ``reduce_dtype``)."""
         if type(plugin) is cls:
             return plugin
-        return cls(plugin.precision, reduce_dtype=plugin.reduce_dtype)  # type: ignore[arg-type]
+        return cls(plugin.precision, reduce_dtype=plugin.reduce_dtype)
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -95,7 +91,7 @@ class ShardPrecision(Precision):
         """Bind to the run's device; creates the globally-agreeing loss scaler for ``16-mixed``."""
         self.device_type = device.type
         if self.precision == "16-mixed" and self.scaler is None:
-            self.scaler = _Scaler(device=device.type, process_group=process_group)
+            self.scaler = ShardedGradScaler(device=device.type, process_group=process_group)
 
     def fsdp_mp_policy(self) -> Any:
         """The FSDP2 ``MixedPrecisionPolicy`` for this precision."""
@@ -105,29 +101,24 @@ class ShardPrecision(Precision):
             )
         return MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
 
-    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
             return module.to(dtype=torch.bfloat16)
         return module
 
-    @override
     def tensor_init_context(self) -> Any:
         if self._half is not None:
             return self._half.tensor_init_context()
         return nullcontext()
 
-    @override
     def module_init_context(self) -> Any:
         return self.tensor_init_context()
 
-    @override
     def convert_input(self, data: Any) -> Any:
         if self._half is not None:
             return self._half.convert_input(data)
         return data
 
-    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.is_mixed:
@@ -140,76 +131,18 @@ class ShardPrecision(Precision):
         else:
             yield
 
-    @override
-    def pre_backward(self, tensor: Tensor, module: L.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
+    def scale_loss(self, tensor: Tensor) -> Tensor:
+        """The loss the backward starts from: multiplied by the loss scale under ``16-mixed``."""
+        return self.scaler.scale(tensor) if self.scaler is not None else tensor
 
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizer, model: L.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if isinstance(optimizer, LBFGS):
-            raise ValueError(
-                "precision='16-mixed' cannot drive LBFGS (it re-evaluates the loss unscaled). Use bf16-mixed."
-            )
-        closure_result = closure()
-        skip_unscaling = closure_result is None and model.automatic_optimization
-        if not skip_unscaling:
-            # Unscale before clipping so the norm is of true gradients; the scaler remembers it did.
-            self.scaler.unscale_(optimizer)
-        self._after_closure(model, optimizer)
-        if skip_unscaling:
-            return closure_result
-        step_output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        return step_output
+    def engine_clips(self, clip_val: float) -> bool:
+        """Whether the engine clips inside its own step (DeepSpeed), so a door's clip must not; refuses a
+        clip value the engine cannot apply."""
+        return False
 
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self.clip_grad_norm is None:
-            return super().clip_grad_by_norm(optimizer, clip_val)
-        self.clip_grad_norm(list(self.main_params(optimizer)), float(clip_val))
-        return None
-
-    @override
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
-
-
-class _Scaler(ShardedGradScaler):
-    """torch's sharded loss scaler (its inf check all-reduced over every rank, so every pipeline stage and
-    data-parallel rank skips the same steps) that first points a ZeRO-1 optimizer's stand-ins for DTensor
-    parameters at their gradients (``engines/_zero.py``): what it unscales and checks are the parameters'."""
-
-    def unscale_(self, optimizer: Optimizer) -> None:
-        attach = getattr(optimizer, "attach_grads", None)
-        if attach is not None:
-            attach()
-        super().unscale_(optimizer)
-
-
-def to_shard_precision(plugin: Precision) -> ShardPrecision:
-    """Translate the plugin Lightning built from ``Trainer(precision=...)`` into a ShardPrecision."""
-    if isinstance(plugin, ShardPrecision):
-        return plugin
-    if type(plugin) is Precision:
-        return ShardPrecision("32-true")
-    precision = getattr(plugin, "precision", None)
-    if isinstance(precision, str):
-        _check_precision(precision, "Trainer(strategy=ShardStrategy(...))")
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)):
-        return ShardPrecision(plugin.precision)  # type: ignore[arg-type]
-    raise ValueError(
-        f"ShardStrategy cannot run with the precision plugin {type(plugin).__name__}"
-        f" (precision={getattr(plugin, 'precision', '?')!r}). Use Trainer(precision=...) with one of"
-        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)}, or pass lightning_shard.ShardPrecision(...) in plugins."
-    )

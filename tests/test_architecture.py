@@ -3,6 +3,7 @@ of ``lightning.pytorch``, modules of a readable size, and the flag table of the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,8 +12,6 @@ from pathlib import Path
 
 import grimp
 import pytest
-
-from lightning_shard.flags import flag_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_shard"
@@ -58,22 +57,141 @@ def test_import_contracts_fail_on_a_planted_violation(tmp_path, module, planted)
     assert run.returncode != 0 and "BROKEN" in run.stdout, run.stdout[-4000:]
 
 
-def test_the_core_and_the_fabric_door_import_no_trainer_code():
+#: The Trainer's side of the package: the Trainer door and the Lightning callbacks (and the demo LightningModule).
+#: Everything else (the Fabric door, the core, the engines, every capability package, the leaves) stands on torch
+#: and ``lightning.fabric``.
+TRAINER_SIDE = (
+    "lightning_shard.trainer",
+    "lightning_shard.cli",
+    "lightning_shard.ray",
+    "lightning_shard.callbacks",
+    "lightning_shard.averaging",
+    "lightning_shard.demos",
+    "lightning_shard.activation_checkpointing.callback",
+)
+
+
+def trainer_code_reached(package_parent: str) -> list[str]:
+    """Every chain from a module outside :data:`TRAINER_SIDE` to a module that imports ``lightning.pytorch`` (or
+    ``import lightning``, whose ``__init__`` loads it): direct imports, imports inside functions, and the parent
+    packages whose ``__init__`` an import runs, followed through the package's own modules."""
+    sys.path.insert(0, package_parent)
     graph = grimp.build_graph("lightning_shard", include_external_packages=True, cache_dir=None)
-    found = []
-    for module in sorted(graph.modules):
-        if not module.startswith(("lightning_shard.core", "lightning_shard.fabric")):
+    importers = {}
+    for module in graph.modules:
+        if not module.startswith("lightning_shard"):
             continue
         for detail in graph.get_import_details(importer=module, imported="lightning"):
+            line = detail["line_contents"].strip()
             if (
-                "lightning.pytorch" in detail["line_contents"]
-                or "import lightning as" in detail["line_contents"]
+                "lightning.pytorch" in line
+                or line == "import lightning"
+                or line.startswith("import lightning as")
             ):
-                found.append(f"{module}:{detail['line_number']}: {detail['line_contents']}")
-        for trainer in graph.find_modules_directly_imported_by(module):
-            if trainer.startswith("lightning_shard.trainer"):
-                found.append(f"{module} -> {trainer}")
-    assert not found, found
+                importers[module] = f"{detail['line_number']}: {line}"
+    roots = [m for m in graph.modules if m.startswith("lightning_shard") and not m.startswith(TRAINER_SIDE)]
+    parent: dict[str, str] = {}
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        module = stack.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        reached = set(graph.find_modules_directly_imported_by(module))
+        reached |= {".".join(parts[:i]) for i in range(1, len(parts))}  # the packages the import runs first
+        for other in reached:
+            if other.startswith("lightning_shard") and other not in seen:
+                parent.setdefault(other, module)
+                stack.append(other)
+    chains = []
+    for module in sorted(seen & set(importers)):
+        chain = [module]
+        while chain[-1] in parent:
+            chain.append(parent[chain[-1]])
+        chains.append(f"{importers[module]} in {' <- '.join(chain)}")
+    return chains
+
+
+def _trainer_code_reached_in(package_parent: Path) -> list[str]:
+    run = subprocess.run(
+        [sys.executable, __file__, str(package_parent)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_nothing_below_the_trainer_door_reaches_trainer_code():
+    assert _trainer_code_reached_in(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "planted"),
+    [
+        ("core/transform.py", "import lightning.pytorch as _planted  # noqa\n"),
+        # through a module the Fabric door imports, inside a function
+        ("precision.py", "def _planted():\n    from lightning.pytorch.plugins import Precision  # noqa\n"),
+        # an engine importing the Trainer door's own module
+        ("engines/fsdp.py", "def _planted():\n    from lightning_shard.trainer import precision  # noqa\n"),
+    ],
+)
+def test_a_planted_trainer_import_below_the_doors_is_found(tmp_path, module, planted):
+    shutil.copytree(PACKAGE, tmp_path / "lightning_shard", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "lightning_shard" / module, "a") as file:
+        file.write("\n" + planted)
+    found = _trainer_code_reached_in(tmp_path)
+    assert found and any(module.replace("/", ".").removesuffix(".py") in chain for chain in found), found
+
+
+def test_importing_the_fabric_door_the_core_the_engines_and_the_capabilities_loads_no_trainer_code():
+    # ``import lightning.fabric`` runs ``lightning/__init__``, which itself imports ``lightning.pytorch``
+    # (Trainer, LightningModule, Callback): those modules are Lightning's own. What is asserted is that this
+    # package adds none, and that none of its Trainer-side modules load.
+    free = [
+        "lightning_shard",
+        "lightning_shard.fabric",
+        "lightning_shard.core",
+        "lightning_shard.engines",
+        "lightning_shard.engines.fsdp",
+        "lightning_shard.engines.deepspeed",
+        "lightning_shard.precision",
+        *sorted(
+            f"lightning_shard.{p.name}"
+            for p in PACKAGE.iterdir()
+            if p.is_dir() and (p / "__init__.py").exists() and f"lightning_shard.{p.name}" not in TRAINER_SIDE
+        ),
+    ]
+    code = (
+        "import json, sys, importlib\n"
+        "import lightning.fabric\n"
+        "own = {m for m in sys.modules if m.startswith('lightning.pytorch')}\n"
+        f"for name in {free!r}: importlib.import_module(name)\n"
+        "added = sorted(m for m in sys.modules if m.startswith('lightning.pytorch') and m not in own)\n"
+        f"trainer_side = sorted(m for m in sys.modules if m.startswith({TRAINER_SIDE!r}))\n"
+        "print(json.dumps([len(own), added, trainer_side]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    own, added, trainer_side = json.loads(run.stdout.strip().splitlines()[-1])
+    assert own > 0  # lightning's own __init__ loads them: the baseline this compares with
+    assert added == [] and trainer_side == [], (added, trainer_side)
+
+
+def test_the_public_names_import_lazily():
+    code = (
+        "import json, sys\n"
+        "import lightning_shard\n"
+        "before = 'lightning_shard.trainer.strategy' in sys.modules\n"
+        "from lightning_shard import ShardStrategy, ShardPrecision, ActivationCheckpointing\n"
+        "import lightning as L\n"
+        "trainer = L.Trainer(strategy='zero3', accelerator='cpu', devices=1, logger=False)\n"
+        "print(json.dumps([before, type(trainer.strategy) is ShardStrategy, ShardStrategy.__module__]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, registered, module = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not before and registered and module == "lightning_shard.trainer.strategy"
 
 
 def test_no_module_is_longer_than_the_guide():
@@ -85,6 +203,39 @@ def test_no_module_is_longer_than_the_guide():
     assert not long, long
 
 
+def test_every_flag_is_read_where_the_flag_table_says():
+    import dataclasses
+
+    from lightning_shard.flags import ShardFlags
+
+    missing = []
+    for flag in dataclasses.fields(ShardFlags):
+        for place in flag.metadata["where"].split(", "):
+            path = PACKAGE / place
+            files = sorted(path.rglob("*.py")) if place.endswith("/") else [path]
+            if not files or not all(f.exists() for f in files):
+                missing.append(f"{flag.name}: {place} does not exist")
+            elif not any(flag.name in f.read_text() for f in files):
+                missing.append(f"{flag.name}: {place} never names it")
+    assert not missing, missing
+
+
+def test_the_docs_trainer_side_list_is_the_one_checked():
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    listed = docs.split("<!-- trainer-side: the list tests/test_architecture.py checks -->")[1].split("<!--")[
+        0
+    ]
+    named = {line.split("`")[1] for line in listed.strip().splitlines() if line.startswith("- `")}
+    assert named == set(TRAINER_SIDE), named ^ set(TRAINER_SIDE)
+
+
 def test_the_docs_flag_table_is_the_one_derived_from_the_flags():
+    # imported here: run as a script (on a copy of the package), this file must not import the installed one
+    from lightning_shard.flags import flag_table
+
     docs = (ROOT / "docs" / "architecture.md").read_text()
     assert flag_table() in docs, "docs/architecture.md: paste the output of `python -m lightning_shard.flags`"
+
+
+if __name__ == "__main__":  # run by _trainer_code_reached_in on a copy of the package
+    print(json.dumps(trainer_code_reached(sys.argv[1])))

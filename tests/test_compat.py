@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_shard import _compat
 from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.trainer import _compat as trainer_compat
 
 
 def test_backend_and_initialized_fallbacks_match():
@@ -103,13 +104,15 @@ def test_lightnings_sigterm_notifier_is_replaced_alone_and_restored_at_teardown(
     trainer._signal_connector.register_signal_handlers()
     try:
         calls: list[int] = []
-        assert _compat.replace_sigterm_notifier(trainer, lambda signum, frame: calls.append(signum))
+        assert trainer_compat.replace_sigterm_notifier(trainer, lambda signum, frame: calls.append(signum))
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # type: ignore[operator]
         assert calls == [signal.SIGTERM]
         assert not trainer.received_sigterm  # Lightning's own notifier did not run
-        _compat.mark_sigterm_received(trainer)
+        trainer_compat.mark_sigterm_received(trainer)
         assert trainer.received_sigterm
-        assert not _compat.replace_sigterm_notifier(trainer, lambda signum, frame: None)  # already gone
+        assert not trainer_compat.replace_sigterm_notifier(
+            trainer, lambda signum, frame: None
+        )  # already gone
     finally:
         trainer._signal_connector.teardown()
     assert signal.getsignal(signal.SIGTERM) == original

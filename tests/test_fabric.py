@@ -86,7 +86,9 @@ def test_a_shard_precision_plugin_sets_the_reduction_dtype():
 
     plugin = ShardPrecision("bf16-mixed", reduce_dtype=torch.bfloat16)
     fabric = L.Fabric(strategy=ShardFabricStrategy(stage=3), accelerator="cpu", devices=2, plugins=[plugin])
-    assert fabric.strategy.precision.shard is plugin
+    # the Trainer's plugin holds a torch-level policy: Fabric's adapter takes that very policy
+    assert fabric.strategy.precision.shard is plugin.policy
+    assert fabric.strategy.precision.shard.reduce_dtype == torch.bfloat16
 
 
 def test_an_unsupported_precision_fails_when_fabric_is_built():

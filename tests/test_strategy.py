@@ -67,7 +67,7 @@ def test_explicit_shard_precision_is_kept():
         accelerator="cpu", devices=2, strategy=ShardStrategy(), plugins=[plugin], logger=False
     )
     assert trainer.strategy.precision_plugin is plugin
-    policy = plugin.fsdp_mp_policy()
+    policy = plugin.policy.fsdp_mp_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 

@@ -27,7 +27,8 @@ Modules, each importing only those above it:
 ``budget``      ``memory_budget``: a per-block mix of modes, measured on the first step
 ``cache``       no key/value cache in training forwards of a checkpointed Hugging Face model
 ``blocks``      which blocks to patch; already-checkpointed checks; undoing it
-``callback``    ``ActivationCheckpointing`` and ``apply_activation_checkpointing``
+``apply``       ``ActivationCheckpointingConfig`` and ``apply_activation_checkpointing`` (torch alone)
+``callback``    ``ActivationCheckpointing``: the configuration as a Lightning callback (loaded on first use)
 ==============  ===========================================================================
 
 Example::
@@ -37,15 +38,18 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+from lightning_shard.activation_checkpointing.apply import (
+    ActivationCheckpointingConfig,
+    Policy,
+    apply_activation_checkpointing,
+)
 from lightning_shard.activation_checkpointing.blocks import (
     checkpointed_blocks,
     is_activation_checkpointed,
     remove_activation_checkpointing,
-)
-from lightning_shard.activation_checkpointing.callback import (
-    ActivationCheckpointing,
-    Policy,
-    apply_activation_checkpointing,
 )
 from lightning_shard.activation_checkpointing.flops import count_recompute_flops
 from lightning_shard.activation_checkpointing.measure import Measurement, measure
@@ -55,6 +59,7 @@ from lightning_shard.activation_checkpointing.wrap import RecomputeMismatchError
 __all__ = [
     "DEFAULT_SAVE_OPS",
     "ActivationCheckpointing",
+    "ActivationCheckpointingConfig",
     "Measurement",
     "Policy",
     "RecomputeMismatchError",
@@ -65,3 +70,13 @@ __all__ = [
     "measure",
     "remove_activation_checkpointing",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The callback is the Trainer's: imported on first use, so the core (which applies the configuration)
+    # loads no Trainer code through this package.
+    if name == "ActivationCheckpointing":
+        return importlib.import_module(
+            "lightning_shard.activation_checkpointing.callback"
+        ).ActivationCheckpointing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

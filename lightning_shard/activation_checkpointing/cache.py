@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_shard._meta import _class_name

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -162,11 +163,10 @@ def install_load_from_checkpoint() -> bool:
     name is gone (another Lightning release): ``load_from_checkpoint`` then reads files only, and
     ``lightning-shard consolidate`` turns a directory into one.
     """
-    try:
-        from lightning.pytorch.core import (
-            saving,  # optional: lightning.pytorch (absent in a Fabric-only install)
-        )
-    except ImportError:  # Lightning without its PyTorch half: nothing to adapt
+    # Found among the loaded modules, not imported: below the doors nothing loads Trainer code. ``import
+    # lightning`` (which ``lightning.fabric`` runs first) has loaded it; a Fabric-only install has none.
+    saving = sys.modules.get("lightning.pytorch.core.saving")
+    if saving is None:
         return False
     original = getattr(saving, "pl_load", None)
     if not callable(original):

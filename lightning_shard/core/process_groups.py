@@ -20,6 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_shard import _compat
+from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel
 from lightning_shard.core.processes import (
     CollectiveTimeoutError,
@@ -57,29 +58,15 @@ class ProcessGroups:
     #: The door's subprocess launcher, with :class:`ReapChildren` mixed in.
     launcher_class: type
 
-    def __init__(
-        self,
-        backend: str | None,
-        timeout: timedelta | None,
-        replicate_size: int = 1,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        context_parallel_size: int = 1,
-        context_parallel_method: str = "allgather",
-        **kwargs: Any,
-    ) -> None:
+    #: The door's validated flags (set before this ``__init__`` runs): the backend, the ``timeout`` and the sizes
+    #: of the mesh's dimensions are read from it, not passed flag by flag.
+    config: ShardConfig
+
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._mesh_sizes = (
-            replicate_size,
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            context_parallel_size,
-        )
-        self._context_parallel_method = context_parallel_method
         self._context_parallel: ContextParallel | None = None
-        self._requested_backend = backend
-        self._process_group_backend: str | None = backend
-        self._timeout = timeout
+        self._requested_backend = self.config.process_group_backend
+        self._process_group_backend: str | None = self._requested_backend
         self._device_mesh: Any = None
         self._mesh_generation = -1
         self._num_nodes = 1
@@ -122,6 +109,21 @@ class ProcessGroups:
         """The world as ``pp x replicate x shard x cp x tp`` (checked against the world size before any process
         starts)."""
         return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
+
+    @property
+    def _mesh_sizes(self) -> tuple[int, int, int, int]:
+        """``(replicate, tensor-parallel, pipeline, context-parallel)`` sizes, from the flags."""
+        config = self.config
+        return (
+            config.replicate_size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.context_parallel_size,
+        )
+
+    @property
+    def _timeout(self) -> timedelta | None:
+        return self.config.timeout
 
     @property
     def process_group_backend(self) -> str | None:
@@ -198,7 +200,7 @@ class ProcessGroups:
         if mesh is None:
             return None
         return ContextParallel(
-            mesh.get_group(), mesh.size(), mesh.get_local_rank(), self._context_parallel_method, mesh
+            mesh.get_group(), mesh.size(), mesh.get_local_rank(), self.config.context_parallel_method, mesh
         )
 
     def run_context(self) -> RunContext:

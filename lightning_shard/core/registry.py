@@ -6,6 +6,7 @@ Both front doors register the same names with the same flags, so ``Trainer(strat
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -42,8 +43,20 @@ class _NvmeFromEnvironment:
         )
 
 
-def register_names(registry: Any, cls: type) -> None:
-    """Register every name for ``cls`` (a name already taken, by the user or Lightning, is left alone)."""
+class LazyClass:
+    """A strategy class imported on first use: ``import lightning_shard`` registers the names without
+    importing either door (the Trainer's strategy loads ``lightning.pytorch``)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.__name__ = module, name
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.__name__)(**kwargs)
+
+
+def register_names(registry: Any, cls: Any) -> None:
+    """Register every name for ``cls`` (a class or a :class:`LazyClass`; a name already taken, by the user or
+    Lightning, is left alone)."""
     for name, (description, flags) in NAMES.items():
         if name in registry:
             continue

@@ -11,17 +11,20 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
    parallelism: the model's attention runs over its context-parallel group and its position inputs get
    each rank's global positions (the batch itself is cut by the door, per step); then the tiled MLP and
    loss (:mod:`lightning_shard.tiling`);
-3. the engine (:mod:`lightning_shard.engines`), built for the config as now resolved, sets the module up.
-   The FSDP engine applies, in this order, tensor parallelism, ``torch.compile`` per block, FSDP2 (or DDP /
-   ZeRO-1 at stages 0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine
-   hands the module to ``deepspeed.initialize``;
-4. the pipeline stage runner, over the set-up stage (with the groups that sum a tied parameter's gradient
+3. the engine (:mod:`lightning_shard.engines`) is built for the config as now resolved and checks the
+   module; then, each a free function below: the precision conversion (``bf16-true``), fp8 (torchao's
+   ``Float8Linear``), tensor parallelism, ``torch.compile`` per block (torchtitan's order: the plan splits the
+   float8 layers, compile sees the casts and the split, sharding wraps what compile made);
+4. the engine's one data-parallel wrap: FSDP2 (or FSDP2's ``replicate()``, DDP, ZeRO-1's optimizer at stages
+   0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine allocates and hands
+   the module to ``deepspeed.initialize`` with its optimizer;
+5. the pipeline stage runner, over the set-up stage (with the groups that sum a tied parameter's gradient
    between the stages holding a copy);
-5. ``init_weights``: the full weights read into the shards, each rank its own slices; a tied parameter's
+6. ``init_weights``: the full weights read into the shards, each rank its own slices; a tied parameter's
    copies then take the first stage's values;
-6. a barrier, and the ``timeout`` flag's limit on every group the engine made.
+7. a barrier, and the ``timeout`` flag's limit on every group the engine made.
 
-Steps 1, 2 and 5 run once per module (a later Trainer call, or a second front door, finds the module
+Steps 1, 2, tensor parallelism and 6 run once per module (a later Trainer call, or a second front door, finds the module
 already transformed); they leave marks on the module for it.
 """
 
@@ -29,24 +32,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_shard import fp8
 from lightning_shard._modules import detect_block_classes
 from lightning_shard.activation_checkpointing import apply_activation_checkpointing
+from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel, apply_context_parallel
 from lightning_shard.core.process_groups import ProcessGroups
+from lightning_shard.core.session import Session
 from lightning_shard.engines import Engine, engine_class
-from lightning_shard.parallel import clip_grad_norm_
+from lightning_shard.parallel import apply_tensor_parallel, clip_grad_norm_
 from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
 from lightning_shard.pipeline.runner import Tie
 from lightning_shard.pipeline.split import StagePlan
-from lightning_shard.precision import ShardPrecision
+from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp
 
 log = logging.getLogger(__name__)
@@ -58,41 +63,33 @@ PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
 _STAGE = "_lightning_shard_pipeline_stage"
 _BLOCKS = "_lightning_shard_block_classes"
 _CHECKPOINTED = "_lightning_shard_checkpointed"
+_TP_APPLIED = "_lightning_shard_tensor_parallel"
 _WEIGHTS = "_lightning_shard_weights_loaded"
 
 LossFn = Callable[[Any, Any], Tensor]
 
 
-@dataclass
-class Prepared:
-    """What :func:`prepare` hands back to the door."""
-
-    model: nn.Module
-    """What runs: the engine's wrapper (DDP, DeepSpeed) or the module itself, sharded in place."""
-    engine: Engine
-    config: ShardConfig
-    """The flags as resolved on the module (the block classes detected for a pipeline cut)."""
-    pipeline: StageRunner | None
-    """This rank's pipeline stages and their schedule (``None`` without pipeline stages)."""
+#: What :func:`prepare` hands back (the name before the session owned the steps).
+Prepared = Session
 
 
 def prepare(
     module: nn.Module,
     config: ShardConfig,
-    precision: ShardPrecision,
+    precision: PrecisionPolicy,
     processes: ProcessGroups,
     *,
     engine: Engine | None = None,
     loss_fn: LossFn | None = None,
     owner: str = "ShardStrategy",
-) -> Prepared:
+) -> Session:
     """Transform ``module`` for the run, every step in its order (see the module's docstring).
 
     Args:
         module: the user's module (the LightningModule, or Fabric's ``nn.Module``), built on real memory
             or on the meta device.
         config: the validated flags.
-        precision: the engine's precision plugin.
+        precision: the engine's precision policy.
         processes: the door's strategy, its processes joined (:class:`~.processes.ProcessGroups`).
         engine: an engine already built for ``config``; rebuilt when step 2 resolves the config further.
         loss_fn: the loss of one microbatch on the last pipeline stage (pipeline stages only).
@@ -111,29 +108,74 @@ def prepare(
     if processes.context_parallel is not None:
         _install_context_parallel(module, processes.context_parallel, processes.root_device.type, owner)
     _install_tiling(module, config, owner)
-    # 3. The engine: tensor parallel -> compile -> shard -> allocate (see the engine's setup_module).
+    # 3. The engine for this config; then precision, fp8, tensor parallelism, compile.
     if engine is None or engine.config != config:
         engine = engine_class(config.engine)(config, precision, processes.run_context())
+    engine.check_module(module)
+    run = processes.run_context()
+    module = apply_precision(module, precision)
+    apply_fp8(module, config)
+    apply_tensor_parallel_once(module, run.tp_mesh, config)
+    apply_compile(module, config, engine)
+    # 4. The engine's one data-parallel wrap, and the allocation from meta.
     model = engine.setup_module(module)
-    # 4. The stage runner.
+    # 5. The stage runner.
     pipeline = None
     if rank is not None:
         assert plan is not None and loss_fn is not None, "pipeline stages need the loss of one microbatch"
         pipeline = _stage_runner(model, config, rank, processes, loss_fn, plan)
-    # 5. init_weights; then the copies of a parameter tied across stages take the first stage's values.
+    # 6. init_weights; then the copies of a parameter tied across stages take the first stage's values.
     if config.init_weights is not None and getattr(module, _WEIGHTS, None) != config.init_weights:
         engine.load_full_weights(module, config.init_weights)
         setattr(module, _WEIGHTS, config.init_weights)
     if pipeline is not None:
         pipeline.sync_tied()
-    # 6. Every rank set up; the engine's groups under the timeout flag.
+    # 7. Every rank set up; the engine's groups under the timeout flag.
     processes.barrier()
     processes.apply_timeout()
-    return Prepared(model, engine, config, pipeline)
+    return Session(
+        model, engine, config, pipeline, precision, processes.context_parallel, processes.root_device
+    )
 
 
-def prepare_precision(precision: ShardPrecision, processes: ProcessGroups) -> None:
-    """The precision plugin on this rank's device (its loss scaler agrees over every rank), clipping by one
+def apply_precision(module: nn.Module, precision: PrecisionPolicy) -> nn.Module:
+    """The module in the precision's storage dtype (``bf16-true``: bf16 weights; the mixed modes keep fp32)."""
+    return precision.convert_module(module)
+
+
+def apply_fp8(module: nn.Module, config: ShardConfig) -> None:
+    """``fp8=...``: torchao's ``Float8Linear`` for the chosen layers (once per module), before tensor
+    parallelism, compile and sharding: the plan splits them with torchao's float8 styles, compile sees the
+    casts, FSDP2 gathers the float8 weights."""
+    if config.fp8 is not None:
+        fp8.convert(module, config.fp8)
+
+
+def apply_tensor_parallel_once(module: nn.Module, tp_mesh: Any, config: ShardConfig) -> None:
+    """``tensor_parallel_size > 1``: the layers split over the tensor-parallel mesh before FSDP2 shards over the
+    data-parallel one (torch's 2-D order); a meta module is split before anything is allocated. Once per
+    module (a later Trainer call finds it split)."""
+    if tp_mesh is None or getattr(module, _TP_APPLIED, False):
+        return
+    plan = apply_tensor_parallel(module, tp_mesh, config.tensor_parallel_plan)
+    setattr(module, _TP_APPLIED, True)
+    log.info("ShardStrategy: tensor parallel over %d ranks: %s", tp_mesh.size(), plan)
+
+
+def apply_compile(module: nn.Module, config: ShardConfig, engine: Engine) -> None:
+    """``compile=...``: each repeated block compiled after tensor parallelism and checkpointing, before the
+    data-parallel wrap (at DeepSpeed's ZeRO-3 each block a leaf, gathered whole outside the graph)."""
+    if config.compile is None:
+        return
+    options = config.compile or {}
+    blocks = blocks_to_compile(module, config.shard_modules, options)
+    if compile_blocks(blocks, options, zero3_leaves=engine.compiles_zero3_leaves):
+        log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), config.compile)
+    engine.compile_baseline = recompiles()
+
+
+def prepare_precision(precision: PrecisionPolicy, processes: ProcessGroups) -> None:
+    """The precision policy on this rank's device (its loss scaler agrees over every rank), clipping by one
     norm over every mesh where parameters live on several ((dp, tp) and dp, or pipeline stages)."""
     precision.setup_device(processes.root_device, None)
     if processes.layout.multi_dimensional:

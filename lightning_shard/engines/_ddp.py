@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -25,10 +24,20 @@ def wrap(module: nn.Module, process_group: Any, device_ids: Any, ddp_kwargs: dic
     hook = {k: ddp_kwargs[k] for k in COMM_HOOK_KWARGS if k in ddp_kwargs}
     ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=process_group, **options)
     if hook.get("ddp_comm_hook") is not None:
-        _register_ddp_comm_hook(model=ddp, **hook)
+        register_comm_hook(
+            ddp, hook["ddp_comm_hook"], hook.get("ddp_comm_state"), hook.get("ddp_comm_wrapper")
+        )
     elif device_ids is None and shared_memory_group(ddp.process_group) is not None:
         _SharedMemoryHook.install(ddp)
     return ddp
+
+
+def register_comm_hook(
+    ddp: DistributedDataParallel, hook: Any, state: Any = None, wrapper: Any = None
+) -> None:
+    """``DDPStrategy``'s ``ddp_comm_hook`` / ``ddp_comm_state`` / ``ddp_comm_wrapper``: the hook, wrapped by the
+    wrapper when given (fp16 compression around PowerSGD), registered on the DDP module."""
+    ddp.register_comm_hook(state=state, hook=wrapper(hook) if wrapper is not None else hook)
 
 
 class _SharedMemoryHook:

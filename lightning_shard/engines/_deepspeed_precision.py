@@ -3,7 +3,7 @@
 Once DeepSpeed has wrapped the model it holds the low-precision weights, scales the loss and clips
 inside its own step: the plugin then only casts floating inputs to the weights' dtype and leaves
 autocast, loss scaling and clipping to the engine. Before that (evaluation outside ``fit``, where
-the module runs unwrapped with fp32 weights) it behaves like :class:`ShardPrecision`.
+the module runs unwrapped with fp32 weights) it behaves like the FSDP engine's :class:`PrecisionPolicy`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.precision import ShardPrecision
+from lightning_shard.precision import PrecisionPolicy
 
 COMM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def check_precision(stage: int | str, precision: ShardPrecision) -> None:
+def check_precision(stage: int | str, precision: PrecisionPolicy) -> None:
     """Refuse precisions DeepSpeed cannot serve, naming the fix (``stage`` may still be ``"auto"``)."""
     if precision.precision == "bf16-true":
         raise ValueError(
@@ -59,7 +57,7 @@ def cpu_supports_fp16() -> bool:
         return False
 
 
-def check_device_precision(device: torch.device, precision: ShardPrecision) -> None:
+def check_device_precision(device: torch.device, precision: PrecisionPolicy) -> None:
     """Refuse what DeepSpeed cannot run on ``device`` (known only once the strategy sets up)."""
     if precision.precision == "16-mixed" and device.type == "cpu" and not cpu_supports_fp16():
         # DeepSpeed itself fails later, inside deepspeed.initialize ("Type fp16 is not supported on
@@ -72,8 +70,8 @@ def check_device_precision(device: torch.device, precision: ShardPrecision) -> N
         )
 
 
-class DeepSpeedPrecision(ShardPrecision):
-    """:class:`ShardPrecision` for the DeepSpeed engine; built from the Trainer's precision like it."""
+class DeepSpeedPrecision(PrecisionPolicy):
+    """The precision policy of the DeepSpeed engine, built from the door's precision like the FSDP engine's."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -104,12 +102,7 @@ class DeepSpeedPrecision(ShardPrecision):
             yield
 
     @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
-    ) -> None:
+    def engine_clips(self, clip_val: float) -> bool:
         if clip_val and clip_val != self.engine_clip_val:
             # Only self.clip_gradients() in manual optimization gets here with its own value: DeepSpeed
             # clips inside its step, at the Trainer's gradient_clip_val, which Lightning does not allow
@@ -120,3 +113,4 @@ class DeepSpeedPrecision(ShardPrecision):
                 " Trainer(gradient_clip_val=...) only (not allowed with manual optimization)."
                 " Use engine='fsdp' to clip in manual optimization, or automatic optimization."
             )
+        return True

@@ -16,13 +16,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from lightning_shard import _compat
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.engines._gloo import use_cpu_collectives
+from lightning_shard.engines._redirect import DDPForwardRedirection
 from lightning_shard.engines._units import sharding_units
 
 log = logging.getLogger(__name__)
 
 
-class ForwardRedirection(_compat.DDPForwardRedirection):
-    """Lightning's DDP redirection, and FSDP2's root kept gathered to backward after a nested forward."""
+class ForwardRedirection(DDPForwardRedirection):
+    """DDP's redirection (:mod:`._redirect`), and FSDP2's root kept gathered to backward after a nested forward."""
 
     def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
         super().on_after_inner_forward(wrapper_module, original_module)

@@ -9,7 +9,10 @@ to either door.
 
 Lifecycle, per Trainer call (``fit``, ``validate``, ``test``, ``predict``; any order, any number)::
 
-    setup_module(module)             -> the module to run (wrapped once; re-used on later calls)
+    check_module(module)             (refusals before any transform: nothing to train, a layout it cannot take)
+    setup_module(module)             -> the module to run: the one data-parallel wrap and the allocation
+                                        from meta (wrapped once; re-used on later calls). Every transform
+                                        before it is core.transform.prepare's, in its order.
     setup_optimizers(model, opts)    -> (model, optimizers) to train with       (fit only)
     pre_backward / backward / step   (training; ``owns_step`` says who runs backward and step)
     no_sync(model)                   (accumulation: no gradient communication on this micro-batch)
@@ -34,14 +37,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard import _compat
 from lightning_shard._meta import parameters_on_meta
 from lightning_shard.checkpoint import remove
 from lightning_shard.checkpoint._errors import on_every_rank
 from lightning_shard.checkpoint.init_weights import InitWeightsError, load_full_weights
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.config import ShardConfig
-from lightning_shard.precision import ShardPrecision
+from lightning_shard.engines._redirect import ForwardRedirection
+from lightning_shard.precision import PrecisionPolicy
 
 PLACES = ("accelerator", "host", "nvme")
 KINDS = ("parameters", "gradients", "optimizer")
@@ -108,27 +111,35 @@ class Engine(ABC):
     #: ``True`` when the engine runs backward and the optimizer step itself (DeepSpeed); then it also
     #: counts accumulation micro-batches and clips from ``TrainSettings``.
     owns_step: bool = False
-    #: The precision plugin class this engine runs with (built from the Trainer's precision).
-    precision_class: type[ShardPrecision] = ShardPrecision
+    #: The precision policy class this engine runs with (built from the door's precision plugin).
+    precision_class: type[PrecisionPolicy] = PrecisionPolicy
 
     @classmethod
-    def check_precision(cls, stage: int | str, precision: ShardPrecision) -> None:
+    def check_precision(cls, stage: int | str, precision: PrecisionPolicy) -> None:
         """Refuse a precision this engine cannot serve (called when the Trainer assigns it)."""
         return None
 
     @classmethod
-    def construction_context(cls, config: ShardConfig, precision: ShardPrecision) -> Any:
+    def construction_context(cls, config: ShardConfig, precision: PrecisionPolicy) -> Any:
         """Where ``configure_model`` builds modules: parameters on the meta device, sharded and allocated
         at set-up (``lightning_shard._meta``)."""
         return parameters_on_meta()
 
-    def __init__(self, config: ShardConfig, precision: ShardPrecision, run: RunContext) -> None:
+    def __init__(self, config: ShardConfig, precision: PrecisionPolicy, run: RunContext) -> None:
         self.config = config
         self.precision = precision
         self.run = run
 
-    #: Routes ``training_step`` & co. through the wrapper's forward (Lightning's ``_ForwardRedirection``).
-    forward_redirection: Any = _compat.ForwardRedirection()
+    #: ``compile=...``: dynamo's recompile count when the blocks were compiled (set by ``prepare``).
+    compile_baseline: int | None = None
+    #: Compiled blocks are marked as ZeRO-3 leaves (DeepSpeed gathers each in its own hook).
+    compiles_zero3_leaves: bool = False
+
+    def check_module(self, module: nn.Module) -> None:  # noqa: B027  # optional: most engines take any module
+        """Refuse a module this engine cannot set up, before any transform touches it."""
+
+    #: Routes ``training_step`` & co. through the wrapper's forward (:mod:`._redirect`).
+    forward_redirection: Any = ForwardRedirection()
 
     def routes_through_forward(self, model: nn.Module, module: nn.Module) -> bool:
         """Whether a step must run inside ``model``'s forward (its hooks gather, reduce, count)."""
@@ -142,7 +153,8 @@ class Engine(ABC):
 
     @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Return the module to run; a module this engine already wrapped is returned as it is."""
+        """Return the module to run, wrapped for data parallelism and allocated; a module this engine already
+        wrapped is returned as it is."""
 
     @abstractmethod
     def setup_optimizers(

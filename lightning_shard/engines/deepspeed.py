@@ -36,7 +36,6 @@ from lightning_shard.checkpoint.init_weights import match_keys, open_weights, ti
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
-from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
     DeepSpeedPrecision,
@@ -57,8 +56,6 @@ class DeepSpeedEngine(Engine):
 
     owns_step = True
     precision_class = DeepSpeedPrecision
-    compile_baseline: int | None = None
-    """``compile=...``: dynamo's recompile count when the blocks were set up."""
 
     @classmethod
     def check_precision(cls, stage: int | str, precision: Any) -> None:
@@ -83,21 +80,27 @@ class DeepSpeedEngine(Engine):
         super().__init__(config, precision, run)
         check_precision(self.stage, precision)
         check_device_precision(run.device, precision)
+        # ZeRO-3 gathers each block in its own hook: compiled blocks are DeepSpeed leaves (one graph per block).
+        self.compiles_zero3_leaves = self.stage == 3
         self._backwards = 0  # backward calls since the last optimizer step
 
     # --- set-up ----------------------------------------------------------------------------------
 
+    def check_module(self, module: nn.Module) -> None:
+        if has_meta(module) and self.stage == 3:
+            raise ValueError(
+                f"{type(module).__name__} was built on the meta device, which ShardStrategy(engine='deepspeed',"
+                " stage=3) cannot shard: DeepSpeed partitions parameters it can read. Use engine='fsdp' (the"
+                " default), which shards the meta model and allocates only each rank's shard; or build the"
+                " model normally (DeepSpeed stages 0-2 keep a full copy per rank anyway)."
+            )
+
     def setup_module(self, module: nn.Module) -> nn.Module:
-        # DeepSpeed wraps the module together with its optimizer (setup_optimizers); evaluation outside
-        # fit runs the module as it is, on the device, under the precision plugin's autocast.
+        """Allocation from meta and the device; DeepSpeed wraps the module together with its optimizer
+        (:meth:`setup_optimizers`). Evaluation outside fit runs the module as it is, on the device, under the
+        precision policy's autocast."""
+        self.check_module(module)
         if has_meta(module):
-            if self.stage == 3:
-                raise ValueError(
-                    f"{type(module).__name__} was built on the meta device, which ShardStrategy(engine='deepspeed',"
-                    " stage=3) cannot shard: DeepSpeed partitions parameters it can read. Use engine='fsdp' (the"
-                    " default), which shards the meta model and allocates only each rank's shard; or build the"
-                    " model normally (DeepSpeed stages 0-2 keep a full copy per rank anyway)."
-                )
             # Stages 0-2 replicate parameters: each rank allocates and initialises the whole model.
             materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)
         partitioned = any(hasattr(p, "ds_tensor") for p in module.parameters())
@@ -110,21 +113,12 @@ class DeepSpeedEngine(Engine):
                 type(module).__name__,
             )
         setattr(module, _SET_UP, True)
-        if self.config.compile is not None:
-            self._compile(module)
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
             import deepspeed  # optional: DeepSpeed
 
             deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
             _rebind_partitioned(module)
         return module.to(self.run.device)
-
-    def _compile(self, module: nn.Module) -> None:
-        """Each repeated block's forward compiled before ``deepspeed.initialize`` registers its hooks."""
-        blocks = blocks_to_compile(module, self.config.shard_modules, self.config.compile or {})
-        if compile_blocks(blocks, self.config.compile or {}, zero3_leaves=self.stage == 3):
-            log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), self.config.compile)
-        self.compile_baseline = recompiles()
 
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings

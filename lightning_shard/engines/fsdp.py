@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.overrides.distributed import prepare_for_backward
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -42,18 +41,14 @@ from lightning_shard._meta import materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
 from lightning_shard.checkpoint.storage import Location, Remote
-from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
 from lightning_shard.engines._ddp import wrap as wrap_ddp
 from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
+from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.memory import model_state_bytes
-from lightning_shard.parallel import apply_tensor_parallel
-
-#: Set on a module once its layers are split (a later Trainer call finds them split).
-_TP_APPLIED = "_lightning_shard_tensor_parallel"
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +58,6 @@ class FSDPEngine(Engine):
 
     compression_state: Any = None
     """``gradient_compression='powersgd'``: the hook and torch's ``PowerSGDState`` (in sharded checkpoints)."""
-    compile_baseline: int | None = None
-    """``compile=...``: dynamo's recompile count when the blocks were set up."""
 
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
@@ -89,26 +82,17 @@ class FSDPEngine(Engine):
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def check_module(self, module: nn.Module) -> None:
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError(
                 f"ShardStrategy(stage={self.stage}) found no trainable parameters in {type(module).__name__}:"
                 " there is nothing to shard or synchronise. Check requires_grad, or train without a strategy."
             )
-        module = self.precision.convert_module(module)
-        if self.config.fp8 is not None:
-            # Before tensor parallelism, compile and sharding (torchtitan's order): the plan splits the
-            # Float8Linears with torchao's float8 styles, compile sees the float8 casts, and FSDP2 wraps the
-            # float8 weights (their gathers in float8). Once per module.
-            fp8.convert(module, self.config.fp8)
-        if self.run.tp_mesh is not None and not getattr(module, _TP_APPLIED, False):
-            # Layers split first, then FSDP2 shards over the data-parallel mesh (torch's 2-D order); a meta
-            # module is split and sharded before anything is allocated. Once per module.
-            plan = apply_tensor_parallel(module, self.run.tp_mesh, self.config.tensor_parallel_plan)
-            setattr(module, _TP_APPLIED, True)
-            log.info("ShardStrategy: tensor parallel over %d ranks: %s", self.run.tp_mesh.size(), plan)
-        if self.config.compile is not None:
-            self._compile(module)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """The data-parallel wrap (FSDP2, FSDP2's ``replicate()``, or DDP) and the allocation from meta; the
+        transforms before it (precision, fp8, tensor parallelism, compile) are ``core.transform.prepare``'s."""
+        self.check_module(module)
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
@@ -125,13 +109,6 @@ class FSDPEngine(Engine):
             module.to(self.run.device)
             wrapped = self._ddp(module)
         return wrapped
-
-    def _compile(self, module: nn.Module) -> None:
-        """Each repeated block compiled after tensor parallelism and checkpointing, before sharding."""
-        blocks = blocks_to_compile(module, self.config.shard_modules, self.config.compile or {})
-        if compile_blocks(blocks, self.config.compile or {}):
-            log.info("ShardStrategy: torch.compile on %d blocks (%s)", len(blocks), self.config.compile)
-        self.compile_baseline = recompiles()
 
     def _materialize(self, module: nn.Module) -> None:
         run = self.run

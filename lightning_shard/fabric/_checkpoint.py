@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning
+import lightning.fabric
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
@@ -56,7 +56,7 @@ def to_checkpoint(
     checkpoint = {key: obj.state_dict() if isinstance(obj, _Stateful) else obj for key, obj in others.items()}
     checkpoint[MODEL_ENTRY] = model_state
     checkpoint[OPTIMIZERS_ENTRY] = optimizer_states
-    checkpoint[VERSION_ENTRY] = lightning.__version__
+    checkpoint[VERSION_ENTRY] = lightning.fabric.__version__  # the release's (one version for both halves)
     return checkpoint
 
 

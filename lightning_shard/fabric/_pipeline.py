@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel
-from lightning_shard.context_parallel.batch import cut_pair, group_mean
+from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core.processes import guarded
+from lightning_shard.core.session import Session
 from lightning_shard.core.transform import PIPELINE_KEY, LossFn, pipeline_rank
 from lightning_shard.pipeline import StageRunner
 
@@ -35,6 +35,8 @@ class FabricPipeline:
     _model: nn.Module | None
     _pipeline: StageRunner | None = None
     _loss_fn: LossFn | None = None
+    _session: Session
+    _cut_by_loop: bool = False  # the context-parallel mixin's: the loop cut a batch itself
     context_parallel: ContextParallel | None
 
     @property
@@ -67,31 +69,21 @@ class FabricPipeline:
         ``cut_batch`` cuts (do not cut them first); each rank's loss is weighted by its share of the
         targets, and the loss returned is the group's: the whole sequences' loss.
         """
-        runner = self._stage_runner(model, "pipeline_step", loss_fn)
-        scaler = (
-            self.precision.shard.scaler
-        )  # 16-mixed: the schedule's backward scales as fabric.backward would
-        if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
-            scale *= float(scaler.scale(torch.ones((), device=self.root_device)))
-        # Context parallelism: each rank runs its chunks of the sequences, its loss weighted by its share.
-        inputs, target, weight = cut_pair(self.context_parallel, _as_tuple(inputs), target)
-        with self.precision.forward_context():
-            loss = runner.train_step(inputs, target, float(scale * weight))
-        return group_mean(self.context_parallel, loss * weight)
+        self._stage_runner(model, "pipeline_step", loss_fn)
+        # 16-mixed's loss scale, the cut over the context-parallel group and its weight: the session's step.
+        loss = self._session.pipeline_train_step(_as_tuple(inputs), target, scale)
+        return group_mean(self.context_parallel, loss)
 
     @guarded
     def pipeline_eval_step(
         self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None
     ) -> Tensor:
         """Forward only, through this rank's stages; the batch's loss on every stage."""
-        runner = self._stage_runner(model, "pipeline_eval_step", loss_fn)
-        inputs, target, weight = cut_pair(self.context_parallel, _as_tuple(inputs), target)
-        with torch.no_grad(), self.precision.forward_context():
-            loss = runner.eval_step(inputs, target)
-        return group_mean(self.context_parallel, loss * weight)
+        self._stage_runner(model, "pipeline_eval_step", loss_fn)
+        return group_mean(self.context_parallel, self._session.pipeline_eval_step(_as_tuple(inputs), target))
 
     def _stage_runner(self, model: nn.Module, call: str, loss_fn: LossFn | None) -> StageRunner:
-        if getattr(self, "_cut_by_loop", False):
+        if self._cut_by_loop:
             raise ValueError(
                 f"fabric.strategy.{call}(model, inputs, target) cuts the sequences over the context-parallel"
                 " group itself, but the loop cut a batch with fabric.strategy.cut_batch: pass the whole batch"
@@ -130,15 +122,6 @@ class FabricPipeline:
     def _mark_pipeline(self, others: dict[str, Any]) -> None:
         if self._pipeline is not None:
             others[PIPELINE_KEY] = self.config.pipeline_parallel_size
-
-    def _refuse_unsharded_under_pipeline(self, path: Any, call: str) -> None:
-        if self._pipeline is not None and (path.is_file() or is_deepspeed_checkpoint(path)):
-            kind = "a one-file checkpoint" if path.is_file() else "a DeepSpeed checkpoint"
-            raise ValueError(
-                f"ShardFabricStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) loads sharded"
-                f" checkpoints only, and {call}({str(path)!r}) is {kind}. Load it once without pipeline stages"
-                " and save it sharded, or start from its weights (lightning_shard.checkpoint.load_model_weights)."
-            )
 
 
 def _as_tuple(inputs: Any) -> tuple[Any, ...]:

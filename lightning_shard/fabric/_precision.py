@@ -1,10 +1,10 @@
-"""Fabric's precision plugin interface over :class:`~lightning_shard.ShardPrecision`.
+"""Fabric's precision plugin over the torch-level :class:`~lightning_shard.precision.PrecisionPolicy`.
 
 Fabric builds its own plugin from ``Fabric(precision=...)`` and calls it with Fabric's signatures
-(``backward(tensor, module)``, ``optimizer_step(optimizer)``); the engines read a ``ShardPrecision``
+(``backward(tensor, module)``, ``optimizer_step(optimizer)``); the engines read a ``PrecisionPolicy``
 (the FSDP2 ``MixedPrecisionPolicy``, DeepSpeed's ``bf16`` / ``fp16`` sections, ``reduce_dtype``). This
-adapter is the one plugin Fabric sees: it holds the same ``ShardPrecision`` the engine was built with, so
-autocast, the FSDP2 policy and the loss scaler are the Trainer strategy's, not a second set of rules.
+adapter is the one plugin Fabric sees: it holds the same policy the engine was built with, so autocast, the
+FSDP2 policy and the loss scaler are the Trainer door's rules too (its plugin holds a policy the same way).
 """
 
 from __future__ import annotations
@@ -20,20 +20,22 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.precision import SUPPORTED_PRECISION, ShardPrecision
+from lightning_shard.precision import SUPPORTED_PRECISION, PrecisionPolicy
 
 
-def to_shard_precision(plugin: Precision) -> ShardPrecision:
-    """Translate the plugin Fabric built from ``Fabric(precision=...)`` into a ShardPrecision."""
-    if isinstance(plugin, ShardPrecision):
-        return plugin
+def to_policy(plugin: Precision) -> PrecisionPolicy:
+    """The policy of the plugin Fabric built from ``Fabric(precision=...)`` (or the user's ShardPrecision,
+    the Trainer door's plugin, which holds one: this door does not import it)."""
+    policy = getattr(plugin, "policy", None)
+    if isinstance(policy, PrecisionPolicy):
+        return policy
     if isinstance(plugin, FabricShardPrecision):
         return plugin.shard
     if type(plugin) is Precision:
-        return ShardPrecision("32-true")
+        return PrecisionPolicy("32-true")
     precision = getattr(plugin, "precision", None)
     if isinstance(plugin, (MixedPrecision, HalfPrecision)) and precision in SUPPORTED_PRECISION:
-        return ShardPrecision(precision)
+        return PrecisionPolicy(precision)
     raise ValueError(
         f"ShardFabricStrategy cannot run with the precision plugin {type(plugin).__name__}"
         f" (precision={precision!r}). Use Fabric(precision=...) with one of"
@@ -46,9 +48,9 @@ def _to_float32(tensor: Tensor) -> Tensor:
 
 
 class FabricShardPrecision(Precision):
-    """What Fabric calls, answered by the ShardPrecision the engine runs with."""
+    """What Fabric calls, answered by the precision policy the engine runs with."""
 
-    def __init__(self, shard: ShardPrecision) -> None:
+    def __init__(self, shard: PrecisionPolicy) -> None:
         self.shard = shard
         self.precision = shard.precision  # type: ignore[assignment]
 
@@ -81,8 +83,7 @@ class FabricShardPrecision(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: Module | None) -> Any:
-        scaler = self.shard.scaler
-        return scaler.scale(tensor) if scaler is not None else tensor
+        return self.shard.scale_loss(tensor)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,7 @@ from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
 from lightning_shard.fabric._context_parallel import FabricContextParallel
 from lightning_shard.fabric._pipeline import FabricPipeline
-from lightning_shard.fabric._precision import FabricShardPrecision, to_shard_precision
+from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
 from lightning_shard.fabric._processes import FabricProcesses
 from lightning_shard.fabric._setup import parameter_names, rebind, refuse_trainer_only
 from lightning_shard.flags import args_doc, bind, takes_flags
@@ -69,15 +69,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
         self.config = config
         self._engine_class: type[Engine] = engine_class(config.engine)
         self._fabric_precision: FabricShardPrecision | None = None
-        super().__init__(
-            config.process_group_backend,
-            config.timeout,
-            config.replicate_size,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            context_parallel_size=config.context_parallel_size,
-            context_parallel_method=config.context_parallel_method,
-        )
+        super().__init__()
         self._backward_sync_control = _EngineNoSync(self)
         self._engine: Engine | None = None
         self._module: nn.Module | None = None  # the user's module, sharded in place or wrapped
@@ -109,7 +101,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
         if precision is None or not hasattr(self, "config"):
             self._fabric_precision = None
             return
-        shard = self._engine_class.precision_class.from_plugin(to_shard_precision(precision))
+        shard = self._engine_class.precision_class.from_plugin(to_policy(precision))
         self._engine_class.check_precision(self.config.stage, shard)
         self._fabric_precision = FabricShardPrecision(shard)
 
@@ -157,6 +149,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
             loss_fn=self._call_loss,
             owner="ShardFabricStrategy",
         )
+        self._session = prepared
         self.config, self._engine, self._pipeline = prepared.config, prepared.engine, prepared.pipeline
         self._module, self._model = module, prepared.model
         return prepared.model
@@ -326,7 +319,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
             )
         model = self._running()
         location = follow_alias(resolve(self.broadcast(str(path)), "fabric.load(path)"))
-        self._refuse_unsharded_under_pipeline(location, "fabric.load")
+        self._session.refuse_unsharded_checkpoint(location, "ShardFabricStrategy", "fabric.load(path)")
         _, optimizers, others = _checkpoint.split_state(state, model)
         loaded = self.engine.load_checkpoint(
             model, [optimizer for _, optimizer in optimizers], location, weights_only

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_shard._batch import batch_shape as batch_shape_of
-from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.planner.device import available_device_memory
 from lightning_shard.planner.search import choose_stage
 from lightning_shard.units import parse_size
@@ -27,7 +26,7 @@ from lightning_shard.units import parse_size
 log = logging.getLogger(__name__)
 
 
-def batch_shape(trainer: L.Trainer) -> tuple[int | None, int | None]:
+def batch_shape(trainer: Any) -> tuple[int | None, int | None]:
     """(micro-batch, sequence length) from the first batch of the training data, if it has tokens."""
     try:
         source = trainer.fit_loop._data_source
@@ -43,7 +42,7 @@ def batch_shape(trainer: L.Trainer) -> tuple[int | None, int | None]:
 
 def choose(
     module: nn.Module,
-    trainer: L.Trainer,
+    trainer: Any,
     device: torch.device,
     world_size: int,
     local_world_size: int,
@@ -115,7 +114,7 @@ def choose(
     return stage, (policy if activation_checkpointing is None else None)
 
 
-def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
+def choose_for(strategy: Any, trainer: Any) -> tuple[int, Any]:
     """Resolve ``stage="auto"`` for ``strategy``: (stage, activation-checkpointing config, chosen if left open)."""
     config = strategy.config
     checkpointing = config.activation_checkpointing
@@ -142,5 +141,5 @@ def choose_for(strategy: Any, trainer: L.Trainer) -> tuple[int, Any]:
         tiled_loss=config.tiled_loss is not False,
     )
     if chosen_policy is not None:
-        checkpointing = ActivationCheckpointing.from_flag(chosen_policy)
+        checkpointing = ActivationCheckpointingConfig.from_flag(chosen_policy)
     return stage, checkpointing

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard import _compat
 from lightning_shard.checkpoint.storage import Location, Remote, follow_alias, newest_last, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.core.processes import guarded
+from lightning_shard.trainer import _compat as trainer_compat
 from lightning_shard.trainer._steps import EngineSteps
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class CheckpointHooks(EngineSteps):
         if weights_only is None:
             # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
             trainer = getattr(self.lightning_module, "_trainer", None)
-            weights_only = getattr(trainer, _compat.WEIGHTS_ONLY_ATTR, None)
+            weights_only = getattr(trainer, trainer_compat.WEIGHTS_ONLY_ATTR, None)
         checkpoint = self.engine.load_checkpoint(self.model, self.optimizers, path, weights_only)
         module = self.lightning_module
         assert module is not None
@@ -130,4 +130,4 @@ class CheckpointHooks(EngineSteps):
         return checkpoint
 
 
-_compat.resolve_last_checkpoint(_last_on_object_stores)
+trainer_compat.resolve_last_checkpoint(_last_on_object_stores)

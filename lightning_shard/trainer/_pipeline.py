@@ -15,17 +15,16 @@ import logging
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer import call
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel.batch import cut_pair, gather_outputs, group_mean
 from lightning_shard.core.processes import guarded
+from lightning_shard.core.session import Session
 from lightning_shard.core.transform import PIPELINE_KEY, pipeline_rank
 from lightning_shard.pipeline import StageRunner
 from lightning_shard.trainer._steps import EngineSteps
@@ -84,6 +83,7 @@ class PipelineSteps(EngineSteps):
     _pipeline: StageRunner | None = None
     #: The gradients of the schedule's last step, held until Lightning's backward (see ``_train_schedule``).
     _pending: list[tuple[Tensor, Tensor | None]] | None = None
+    _session: Session
 
     @property
     def pipeline_stage(self) -> int | None:
@@ -104,18 +104,12 @@ class PipelineSteps(EngineSteps):
             return super().training_step(*args, **kwargs)
         self._preemption.agree(self.root_device)
         module = self._lm
-        inputs, target, weight = cut_pair(self.context_parallel, *split_batch(module, args[0]))
         # Lightning divides the returned loss by accumulate_grad_batches before its backward, and 16-mixed's
-        # loss scaler multiplies it by its scale; the schedule runs that backward itself, so it applies both
-        # (the scaler then unscales, checks for infs over every stage's gradients and steps as usual).
+        # loss scaler multiplies it by its scale; the schedule runs that backward itself, so the session's step
+        # applies both (the scaler then unscales, checks for infs over every stage's gradients and steps).
         scale = 1.0 / module.trainer.accumulate_grad_batches
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
-            scale *= float(scaler.scale(torch.ones((), device=self.root_device)))
-        with self.precision_plugin.train_step_context():
-            # The schedule's loss is the mean over microbatches of this rank's own mean loss (it divides
-            # the scale back out); weighted, as the step without stages returns it.
-            loss = self._train_schedule(inputs, target, scale * weight) * weight
+        inputs, target = split_batch(module, args[0])
+        loss = self._session.pipeline_train_step(inputs, target, scale, run=self._train_schedule)
         module.log("train_loss", group_mean(self.context_parallel, loss), prog_bar=True)
         return loss
 
@@ -206,22 +200,12 @@ class PipelineSteps(EngineSteps):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self._pipeline is not None:
             path = follow_alias(resolve(self.broadcast(str(checkpoint_path)), "ckpt_path"))
-            if path.is_file() or is_deepspeed_checkpoint(path):
-                kind = "a one-file checkpoint" if path.is_file() else "a DeepSpeed checkpoint"
-                raise ValueError(
-                    f"ShardStrategy(pipeline_parallel_size={self.config.pipeline_parallel_size}) resumes sharded"
-                    f" checkpoints only, and ckpt_path={str(checkpoint_path)!r} is {kind}. Resume it once"
-                    " without pipeline stages and save it with ShardStrategy(checkpoint='sharded'), or start"
-                    " from its weights (lightning_shard.checkpoint.load_model_weights)."
-                )
+            self._session.refuse_unsharded_checkpoint(path, "ShardStrategy", "ckpt_path")
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     def _eval_step(self, name: str, batch: Any) -> Tensor:
-        assert self._pipeline is not None
+        loss = self._session.pipeline_eval_step(*split_batch(self._lm, batch))
         module = self._lm
-        inputs, target, weight = cut_pair(self.context_parallel, *split_batch(module, batch))
-        with self.precision_plugin.val_step_context():
-            loss = self._pipeline.eval_step(inputs, target) * weight
         # Every stage of a pipeline holds the same value: the mean over all ranks is the data-parallel mean
         # (and over a context-parallel group, of weighted losses, the whole sequences' loss).
         module.log(name, loss, sync_dist=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_shard import _compat
+from lightning_shard.trainer import _compat as trainer_compat
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Preemption:
     def install(self, trainer: Any) -> None:
         self.signalled = self.agreed = False
         self._trainer = trainer
-        if not _compat.replace_sigterm_notifier(trainer, self._on_sigterm):
+        if not trainer_compat.replace_sigterm_notifier(trainer, self._on_sigterm):
             log.warning(
                 "ShardStrategy: this Lightning release composes its SIGTERM handler differently; SIGTERM is"
                 " left to Lightning's own handling."
@@ -66,4 +66,4 @@ class Preemption:
                 "ShardStrategy: SIGTERM received; every rank stops after step %d and on_exception hooks run.",
                 self._trainer.global_step,
             )
-            _compat.mark_sigterm_received(self._trainer)
+            trainer_compat.mark_sigterm_received(self._trainer)

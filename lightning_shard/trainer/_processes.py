@@ -9,12 +9,12 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_shard import _compat
 from lightning_shard.core.process_groups import ProcessGroups, reduce_tensor
 from lightning_shard.core.processes import ReapChildren, guarded
+from lightning_shard.trainer import _compat as trainer_compat
 
 
-class TrainerLauncher(ReapChildren, _compat.SubprocessScriptLauncher):  # type: ignore[misc,valid-type]
+class TrainerLauncher(ReapChildren, trainer_compat.SubprocessScriptLauncher):  # type: ignore[misc,valid-type]
     """Lightning's Trainer script launcher; rank 0 reaps the ranks it started when it exits."""
 
 

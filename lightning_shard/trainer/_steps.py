@@ -168,7 +168,7 @@ class EngineSteps(ProcessGroupStrategy):
     @property
     def recompiles(self) -> int:
         """``compile=...``: blocks dynamo compiled again after their first graph, since set-up, on this rank."""
-        baseline = getattr(self._engine, "compile_baseline", None)
+        baseline = None if self._engine is None else self._engine.compile_baseline
         return 0 if baseline is None else recompiles() - baseline
 
     @override

@@ -19,9 +19,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_shard import _compat, _ddp
+from lightning_shard import _ddp
 from lightning_shard._meta import parameters_on_meta
-from lightning_shard.activation_checkpointing import ActivationCheckpointing
+from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.config import CheckpointMode, ShardConfig
 from lightning_shard.core import CollectiveTimeoutError, transform
 from lightning_shard.engines import Engine, TrainSettings, engine_class
@@ -29,15 +29,16 @@ from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.flags import args_doc, bind, takes_flags
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.planner import auto_stage
-from lightning_shard.precision import ShardPrecision, to_shard_precision
+from lightning_shard.trainer import _compat as trainer_compat
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard.trainer._checkpoint import CheckpointHooks
 from lightning_shard.trainer._pipeline import PipelineSteps
 from lightning_shard.trainer._preemption import Preemption
 from lightning_shard.trainer.nonfinite import NonFiniteGuard
+from lightning_shard.trainer.precision import ShardPrecision, to_policy
 
 log = logging.getLogger(__name__)
-_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
+trainer_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
 class ShardStrategy(PipelineSteps, CheckpointHooks):
@@ -66,13 +67,6 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
         super().__init__(
-            self.config.process_group_backend,
-            self.config.timeout,
-            self.config.replicate_size,
-            self.config.tensor_parallel_size,
-            self.config.pipeline_parallel_size,
-            context_parallel_size=self.config.context_parallel_size,
-            context_parallel_method=self.config.context_parallel_method,
             **kwargs,
         )
         self._guard = NonFiniteGuard(self.config.max_skipped) if self.config.skip_nonfinite else None
@@ -111,7 +105,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         return self.config.checkpoint
 
     @property
-    def activation_checkpointing(self) -> ActivationCheckpointing | None:
+    def activation_checkpointing(self) -> ActivationCheckpointingConfig | None:
         return self.config.activation_checkpointing
 
     @property
@@ -128,7 +122,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
     @override
     def precision_plugin(self) -> ShardPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = self._engine_class.precision_class()
+            self._precision_plugin = ShardPrecision.over(self._engine_class.precision_class())
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
@@ -138,9 +132,11 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         if plugin is None:
             self._precision_plugin = None
             return
-        precision = self._engine_class.precision_class.from_plugin(to_shard_precision(plugin))
-        self._engine_class.check_precision(self.config.stage, precision)
-        self._precision_plugin = precision
+        policy = self._engine_class.precision_class.from_plugin(to_policy(plugin))
+        self._engine_class.check_precision(self.config.stage, policy)
+        # The user's own ShardPrecision is kept where the engine runs its policy as it is (the FSDP engine).
+        kept = isinstance(plugin, ShardPrecision) and plugin.policy is policy
+        self._precision_plugin = plugin if kept else ShardPrecision.over(policy)
 
     # --- model side -------------------------------------------------------------------------------
 
@@ -166,7 +162,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         if not self._empty_init:
             yield
             return
-        with self._engine_class.construction_context(self.config, self.precision_plugin):
+        with self._engine_class.construction_context(self.config, self.precision_plugin.policy):
             yield
 
     @property
@@ -189,15 +185,16 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
         self._check_pipeline_contract()
-        transform.prepare_precision(self.precision_plugin, self)
+        transform.prepare_precision(self.precision_plugin.policy, self)
         prepared = transform.prepare(
             self._lm,
             self.config,
-            self.precision_plugin,
+            self.precision_plugin.policy,
             self,
             engine=self._engine if self._engine_live else None,
             loss_fn=getattr(self._lm, "pipeline_loss", None),  # checked above, with pipeline stages
         )
+        self._session = prepared
         self.model, self._engine, self.config, self._pipeline = (
             prepared.model,
             prepared.engine,
