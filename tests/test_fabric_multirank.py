@@ -482,6 +482,33 @@ def test_pipeline_stages_in_a_fabric_loop_match_the_trainer_and_their_checkpoint
             torch.testing.assert_close(rank["loaded_without_stages"][key], value, rtol=0, atol=0, msg=key)
 
 
+def _pipeline_zero1_job() -> dict:
+    """Stage 1 in pipeline stages, a Fabric loop without accumulation (one step per batch): ZeRO-1 steps the
+    stages' parameters through stand-ins, which must see each batch's gradients; against one process."""
+    from tests.test_pipeline_multirank import BATCH, _fit, _loader, _model
+
+    flags = dict(stage=1, pipeline_parallel_size=2, microbatches=2)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardFabricStrategy(**flags))  # type: ignore[arg-type]
+    fabric.launch()
+    model = _model("sgd", 2, tied=True)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
+    losses = []
+    for i, (x, y) in enumerate(_loader(2, 2, BATCH)):
+        if i == 3:
+            break
+        losses.append(fabric.strategy.pipeline_step(model, x, y).item())
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "one_process": _fit("sgd", tied=True, accumulate=1)["losses"]}
+
+
+def test_zero1_pipeline_stages_in_a_fabric_loop_follow_one_process():
+    for rank in run_ranks(_pipeline_zero1_job):
+        assert len(rank["losses"]) == 3
+        torch.testing.assert_close(rank["losses"], rank["one_process"], rtol=1e-5, atol=0)
+
+
 def _ddp_side_by_side_job() -> dict:
     """The same Fabric loop under Lightning's own DDPStrategy and under ShardFabricStrategy at stages 0 and 3."""
     ddp = L.Fabric(accelerator="cpu", devices=2, strategy="ddp")
