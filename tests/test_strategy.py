@@ -118,7 +118,18 @@ def test_shard_modules_matching_nothing_fails():
 def test_nothing_to_shard_fails():
     model = tiny_gpt().requires_grad_(False)
     with pytest.raises(ValueError, match=r"stage=3\) found no trainable parameters in GPTModule"):
-        make_engine("fsdp", 3).setup_module(model)
+        make_engine("fsdp", 3).check_module(model)
+
+
+@pytest.mark.deepspeed
+def test_a_meta_model_is_refused_by_deepspeed_stage_3_only():
+    with torch.device("meta"):
+        model = tiny_gpt()
+    with pytest.raises(
+        ValueError, match=r"built on the meta device, which ShardStrategy\(engine='deepspeed'"
+    ):
+        make_engine("deepspeed", 3).check_module(model)
+    make_engine("deepspeed", 2).check_module(model)  # stages 0-2 allocate the whole model on each rank
 
 
 def test_auto_stage_flags():

@@ -39,9 +39,10 @@ class Session:
     """The flags as resolved on the module (the block classes detected for a pipeline cut)."""
     pipeline: StageRunner | None
     """This rank's pipeline stages and their schedule (``None`` without pipeline stages)."""
-    precision: PrecisionPolicy | None = None
-    context_parallel: ContextParallel | None = None
-    device: torch.device | None = None
+    precision: PrecisionPolicy
+    context_parallel: ContextParallel | None
+    """This rank's context-parallel group (``None``: ``context_parallel_size=1``)."""
+    device: torch.device
 
     def pipeline_train_step(
         self, inputs: tuple[Any, ...], target: Any, scale: float, run: ScheduleStep | None = None
@@ -52,7 +53,7 @@ class Session:
         ``scale`` multiplies the gradients (``1 / accumulate``); ``16-mixed``'s loss scale is applied here, as
         the door's backward would apply it. ``run`` replaces the schedule's own step (default).
         """
-        assert self.pipeline is not None and self.precision is not None
+        assert self.pipeline is not None
         scaler = self.precision.scaler
         if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
             scale *= float(scaler.scale(torch.ones((), device=self.device)))
@@ -65,7 +66,7 @@ class Session:
 
     def pipeline_eval_step(self, inputs: tuple[Any, ...], target: Any) -> Tensor:
         """Forward only through this rank's stages; this rank's loss, weighted as in training."""
-        assert self.pipeline is not None and self.precision is not None
+        assert self.pipeline is not None
         inputs, target, weight = cut_pair(self.context_parallel, inputs, target)
         with torch.no_grad(), self.precision.forward_context():
             return self.pipeline.eval_step(inputs, target) * weight

@@ -69,10 +69,6 @@ _WEIGHTS = "_lightning_shard_weights_loaded"
 LossFn = Callable[[Any, Any], Tensor]
 
 
-#: What :func:`prepare` hands back (the name before the session owned the steps).
-Prepared = Session
-
-
 def prepare(
     module: nn.Module,
     config: ShardConfig,
@@ -109,10 +105,10 @@ def prepare(
         _install_context_parallel(module, processes.context_parallel, processes.root_device.type, owner)
     _install_tiling(module, config, owner)
     # 3. The engine for this config; then precision, fp8, tensor parallelism, compile.
-    if engine is None or engine.config != config:
-        engine = engine_class(config.engine)(config, precision, processes.run_context())
-    engine.check_module(module)
     run = processes.run_context()
+    if engine is None or engine.config != config:
+        engine = engine_class(config.engine)(config, precision, run)
+    engine.check_module(module)
     module = apply_precision(module, precision)
     apply_fp8(module, config)
     apply_tensor_parallel_once(module, run.tp_mesh, config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,20 +70,11 @@ def prepare_for_backward(model: DistributedDataParallel, output: Any) -> None:
     if torch.is_grad_enabled() and model.require_backward_grad_sync:
         model.require_forward_param_sync = True
         # Unused parameters are found from the tensors of the output, as DDP's forward finds them.
-        tensors = list(_tensors_in(output)) if model.find_unused_parameters and not model.static_graph else []
+        tensors: list[torch.Tensor] = []
+        if model.find_unused_parameters and not model.static_graph:
+            apply_to_collection(output, torch.Tensor, tensors.append)
         reducer = model.reducer
         reducer._rebuild_buckets()  # DDP's forward rebuilds first; skipping it trips an internal assert
         reducer.prepare_for_backward(tensors)
     else:
         model.require_forward_param_sync = False
-
-
-def _tensors_in(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)

@@ -99,7 +99,6 @@ class DeepSpeedEngine(Engine):
         """Allocation from meta and the device; DeepSpeed wraps the module together with its optimizer
         (:meth:`setup_optimizers`). Evaluation outside fit runs the module as it is, on the device, under the
         precision policy's autocast."""
-        self.check_module(module)
         if has_meta(module):
             # Stages 0-2 replicate parameters: each rank allocates and initialises the whole model.
             materialize(module, self.run.device, self.run.global_rank, self.config.init_weights)

@@ -92,7 +92,6 @@ class FSDPEngine(Engine):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The data-parallel wrap (FSDP2, FSDP2's ``replicate()``, or DDP) and the allocation from meta; the
         transforms before it (precision, fp8, tensor parallelism, compile) are ``core.transform.prepare``'s."""
-        self.check_module(module)
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
