@@ -38,23 +38,23 @@ class ShardConfig(ShardFlags):
     narrower type; every other field is the flag as given.
     """
 
-    engine: EngineName = "fsdp"  # type: ignore[assignment]
+    engine: EngineName = "fsdp"
     """The engine that serves the flags: ``engine="auto"`` resolved (FSDP2 unless a flag needs DeepSpeed)."""
-    shard_modules: tuple[type, ...] | None = None  # type: ignore[assignment]
+    shard_modules: tuple[type, ...] | None = None
     """Sharding-unit classes at stages 2-3, resolved from import paths (None: the model's repeated block class)."""
     activation_checkpointing: Any = None
     """An ``ActivationCheckpointing`` config, or None."""
     timeout: timedelta | None = None
-    init_weights: str | None = None  # type: ignore[assignment]
-    microbatches: int = 1  # type: ignore[assignment]
+    init_weights: str | None = None
+    microbatches: int = 1
     """Pieces each batch is cut into (default ``2 x pipeline_parallel_size``)."""
-    stages_per_rank: int = 1  # type: ignore[assignment]
-    pipeline_split_points: tuple[str, ...] | None = None  # type: ignore[assignment]
-    compile: dict[str, Any] | None = None  # type: ignore[assignment]
+    stages_per_rank: int = 1
+    pipeline_split_points: tuple[str, ...] | None = None
+    compile: dict[str, Any] | None = None
     """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
-    fp8: Fp8Settings | None = None  # type: ignore[assignment]
+    fp8: Fp8Settings | None = None
     """Float8 training (torchao) of the chosen Linear layers (None: off)."""
-    gradient_compression: dict[str, Any] | None = None  # type: ignore[assignment]
+    gradient_compression: dict[str, Any] | None = None
     """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     """Lightning's DDPStrategy options (stages 0-1): ``DistributedDataParallel`` arguments and comm hook."""

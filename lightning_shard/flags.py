@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +29,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_shard._modules import ModuleClassSpec
 from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.context_parallel import ContextParallelMethod
+from lightning_shard.fp8 import Fp8Settings
 from lightning_shard.offload import OffloadDevice
 from lightning_shard.pipeline import PipelineScheduleName
 
@@ -117,13 +118,13 @@ class ShardFlags:
     skip_nonfinite: bool = _flag(
         False,
         "skip, on every rank together, an optimizer step whose loss or gradients are NaN/inf on any rank.",
-        "trainer/nonfinite.py",
+        "core/session.py",
         trainer_only=True,
     )
     max_skipped: int = _flag(
         10,
         "with ``skip_nonfinite``, consecutive skipped steps allowed before training stops.",
-        "trainer/nonfinite.py",
+        "core/session.py",
         trainer_only=True,
     )
     init_weights: str | Path | None = _flag(
@@ -175,7 +176,7 @@ class ShardFlags:
         "stages on each rank (interleaved schedules only; default 1, and 2 for them).",
         "core/transform.py, pipeline/",
     )
-    pipeline_split_points: list[str] | None = _flag(
+    pipeline_split_points: Sequence[str] | None = _flag(
         None,
         "the blocks that start stages 2, 3, ... (``['model.blocks.2']``); default: balanced by parameter count.",
         "pipeline/split.py",
@@ -209,13 +210,13 @@ class ShardFlags:
         " tokens).",
         "tiling.py, core/transform.py",
     )
-    compile: bool | dict[str, Any] = _flag(
+    compile: bool | dict[str, Any] | None = _flag(
         False,
         "``True`` or a dict of ``torch.compile`` options: compile each repeated block after tensor parallelism"
         " and activation checkpointing, before FSDP2 shards it (or DeepSpeed registers its hooks).",
         "compile.py, core/transform.py",
     )
-    fp8: bool | Literal["tensorwise", "rowwise"] | dict[str, Any] = _flag(
+    fp8: bool | Literal["tensorwise", "rowwise"] | dict[str, Any] | Fp8Settings | None = _flag(
         False,
         "``True``, ``'tensorwise'``, ``'rowwise'`` or a dict of options: train the large ``nn.Linear`` layers in"
         " float8 through torchao (FSDP engine; the size rule and its overrides are in docs/fp8.md); at stages"

@@ -87,6 +87,18 @@ class Fp8Settings:
     options: tuple[tuple[str, bool], ...] = ()
     """Other ``Float8LinearConfig`` options (``pad_inner_dim``, ``emulate``, ``round_scales_to_power_of_2``)."""
 
+    def as_flag(self) -> dict[str, Any]:
+        """The ``fp8={...}`` dict these settings come from (checked again when passed as the flag)."""
+        return {
+            "recipe": self.recipe,
+            "filter": self.filter,
+            "modules": None if self.modules is None else list(self.modules),
+            "skip": list(self.skip),
+            "enable_fsdp_float8_all_gather": self.all_gather,
+            "precompute_scales": self.precompute_scales,
+            **dict(self.options),
+        }
+
     def torchao_config(self) -> Any:
         """torchao's ``Float8LinearConfig`` for these settings."""
         from torchao.float8 import Float8LinearConfig  # optional dependency (the fp8 extra)
@@ -102,6 +114,8 @@ def check_fp8(value: Any, engine: str, stage: Any, tensor_parallel_size: int) ->
         return None
     if value is True:
         given: dict[str, Any] = {}
+    elif isinstance(value, Fp8Settings):
+        given = value.as_flag()
     elif isinstance(value, str):
         given = {"recipe": value}
     elif isinstance(value, dict) and all(isinstance(k, str) for k in value):

@@ -176,7 +176,7 @@ class RayShardStrategy(ShardStrategy):
 
     @override
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
-        if self._full or not self._paths_differ(filepath):
+        if self.config.checkpoint == "full" or not self._paths_differ(filepath):
             # One file, written by rank 0 alone; or one path for all ranks: one shared checkpoint.
             super()._save_checkpoint(checkpoint, filepath, exception)
             return

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_shard import ShardStrategy
+from lightning_shard.core.nonfinite import NonFiniteGuard
 from lightning_shard.demos.ranks import run_ranks
-from lightning_shard.trainer.nonfinite import NonFiniteGuard
 from tests.helpers import LossRecorder, full_weights, loader, tiny_gpt, trainer_kwargs
 
 N = 40  # 5 global batches of 8 per epoch

@@ -8,6 +8,7 @@ engine reads. It reads only what both Lightning ``ParallelStrategy`` bases provi
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_shard import _compat
-from lightning_shard.config import ShardConfig
+from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
+from lightning_shard.config import CheckpointMode, ShardConfig
 from lightning_shard.context_parallel import ContextParallel
 from lightning_shard.core.processes import (
     CollectiveTimeoutError,
@@ -35,8 +37,11 @@ from lightning_shard.core.processes import (
     world_generation,
 )
 from lightning_shard.engines import RunContext
+from lightning_shard.offload import OffloadDevice
 from lightning_shard.parallel import data_parallel_mesh, tensor_parallel_mesh
 from lightning_shard.parallel.mesh import MeshLayout
+
+log = logging.getLogger(__name__)
 
 
 def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Tensor | Any:
@@ -44,6 +49,11 @@ def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Te
     if isinstance(tensor, Tensor):
         return _compat.sync_ddp(tensor, group, reduce_op=reduce_op)
     return tensor
+
+
+def pipeline_rank(mesh: Any) -> int | None:
+    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
+    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
 
 
 class ProcessGroups:
@@ -81,6 +91,34 @@ class ProcessGroups:
     global_rank: int
     node_rank: int
     world_size: int
+
+    # --- the validated flags, as both doors show them -------------------------------------------
+
+    @property
+    def stage(self) -> int | str:
+        """The ZeRO stage (``"auto"`` until setup resolves it)."""
+        return self.config.stage
+
+    @property
+    def engine_name(self) -> str:
+        """The engine that serves the flags (``engine="auto"`` resolved)."""
+        return self.config.engine
+
+    @property
+    def checkpoint_mode(self) -> CheckpointMode:
+        return self.config.checkpoint
+
+    @property
+    def activation_checkpointing(self) -> ActivationCheckpointingConfig | None:
+        return self.config.activation_checkpointing
+
+    @property
+    def offload_optimizer(self) -> OffloadDevice | None:
+        return self.config.offload_optimizer
+
+    @property
+    def offload_params(self) -> OffloadDevice | None:
+        return self.config.offload_params
 
     @property
     def num_nodes(self) -> int:
@@ -243,6 +281,33 @@ class ProcessGroups:
         )
         self._device_mesh = None
         self._context_parallel = None
+
+    @property
+    def pipeline_stage(self) -> int | None:
+        """This rank's pipeline stage (``None`` without pipeline stages)."""
+        return pipeline_rank(self.device_mesh)
+
+    def refuse_write_after_failure(self, path: Any) -> bool:
+        """Whether a checkpoint must not be written: a collective failed before it, so the ranks no longer agree
+        on anything and writing would hang until the timeout again (logged)."""
+        if self._timed_out:
+            log.error(
+                "%s: checkpoint %s NOT written: a collective failed before it (see the error); resume from the"
+                " last committed checkpoint.",
+                type(self).__name__,
+                path,
+            )
+        return self._timed_out
+
+    def end_barrier(self) -> None:
+        """When a call returns on any rank, every rank has committed its checkpoints and removed its files
+        (skipped after a collective failed: the other ranks may be gone)."""
+        if self._timed_out or self._device_mesh is None:
+            return
+        try:
+            self.barrier("teardown")
+        except CollectiveTimeoutError as error:
+            log.error("%s: the barrier at the end of the call failed: %s", type(self).__name__, error)
 
     def _timeout_error(self, where: str, error: BaseException) -> CollectiveTimeoutError:
         self._timed_out = True

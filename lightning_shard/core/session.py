@@ -1,31 +1,40 @@
-"""One run as both doors hold it: the engine, the stage runner, context parallelism and the per-step logic.
+"""One run as both doors hold it: the engine, the stage runner, context parallelism, and every step over them.
 
 :func:`~lightning_shard.core.transform.prepare` returns a :class:`Session`; the Trainer door (``ShardStrategy``)
-and the Fabric door (``ShardFabricStrategy``) keep it and forward their framework's hooks to it. What a step does
-with pipeline stages (the loss scale, the batch cut over the context-parallel group and its loss weight, the
-schedule under the precision's forward context) and the checkpoints stages refuse are written here once; each
-door keeps only what its framework alone has (Lightning's hooks and logging, Fabric's explicit calls).
+and the Fabric door (``ShardFabricStrategy``) keep it and forward their framework's hooks to it. The steps are
+written here once: the batch cut over the context-parallel group and its loss weight, the call routed through
+the engine's wrapper, backward (the engine's own, or the precision's between the engine's hooks), the optimizer
+step with the non-finite skip, clipping by one norm over every mesh, the pipeline schedule's steps, and the
+checkpoints (the stage mark written, the refusal of what stages cannot resume). Each door keeps only what its
+framework alone has: Lightning's hooks, logging and loop order; Fabric's explicit calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
 
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
+from lightning_shard.checkpoint.storage import Location
+from lightning_shard.compile import recompiles
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel
-from lightning_shard.context_parallel.batch import cut_pair
-from lightning_shard.engines import Engine
+from lightning_shard.context_parallel.batch import cut_for_rank, cut_pair, gather_outputs
+from lightning_shard.core.nonfinite import NonFiniteGuard
+from lightning_shard.engines import Engine, TrainSettings
+from lightning_shard.parallel import clip_grad_norm_
 from lightning_shard.pipeline import StageRunner
 from lightning_shard.precision import PrecisionPolicy
 
-#: ``run(inputs, target, scale) -> loss``: the schedule's training step (a door may hold gradients aside).
-ScheduleStep = Callable[[tuple[Any, ...], Any, float], Tensor]
+#: In the checkpoints of a run with pipeline stages: how many.
+PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
 
 
 @dataclass
@@ -43,26 +52,150 @@ class Session:
     context_parallel: ContextParallel | None
     """This rank's context-parallel group (``None``: ``context_parallel_size=1``)."""
     device: torch.device
+    pipeline_stages: int = 1
+    """The pipeline mesh size: clipping sums the squared norms of every stage."""
+    guard: NonFiniteGuard | None = None
+    """``skip_nonfinite=True``: the steps skipped together on every rank."""
+    _held: list[tuple[Tensor, Tensor | None]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.guard is None and self.config.skip_nonfinite:
+            self.guard = NonFiniteGuard(self.config.max_skipped)
+
+    # --- the optimizers ------------------------------------------------------------------------------
+
+    def setup_optimizers(
+        self, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
+    ) -> list[Optimizer]:
+        """The engine takes the optimizers (DeepSpeed wraps the model with them): what runs may change."""
+        self.model, optimizers = self.engine.setup_optimizers(self.model, optimizers, schedulers, settings)
+        return optimizers
+
+    # --- forward -------------------------------------------------------------------------------------
+
+    def cut(self, args: tuple[Any, ...], owner: str = "ShardStrategy") -> tuple[tuple[Any, ...], float]:
+        """Context parallelism: the batch (the first argument) cut to this rank's chunks of each sequence, and
+        the weight of this rank's mean loss (:mod:`lightning_shard.context_parallel.batch`). The group's
+        sequence stays set until the next cut: a recompute during backward needs it."""
+        cp = self.context_parallel
+        if cp is None or not args:
+            return args, 1.0
+        batch, weight = cut_for_rank(cp, args[0], owner=owner)
+        return (batch, *args[1:]), weight
+
+    def call(self, module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``module.<method>(...)``, routed through the wrapper's forward where the engine acts there
+        (parameters gathered, gradients reduced); a framework calls ``training_step``, not ``forward``."""
+        if self.engine.routes_through_forward(self.model, module):
+            return self.engine.forward_redirection(self.model, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    def gather(self, output: Any) -> Any:
+        """A prediction cut over the context-parallel group, gathered back to whole sequences."""
+        cp = self.context_parallel
+        if cp is None or cp.seq_len is None:
+            return output
+        return gather_outputs(output, cp.seq_len, cp.group, cp.size)
+
+    def end_cut(self) -> None:
+        """The model runs whole sequences again, as on one process."""
+        if self.context_parallel is not None:
+            self.context_parallel.end()
+
+    # --- backward and the optimizer step ---------------------------------------------------------------
+
+    def pre_backward(self, loss: Tensor, manual: bool) -> None:
+        self.engine.pre_backward(self.model, loss, manual=manual)
+
+    def post_backward(self, manual: bool) -> None:
+        self.engine.post_backward(self.model, manual=manual)
+
+    def backward(self, loss: Tensor, manual: bool, plain: Callable[[Tensor], Any]) -> None:
+        """The engine's own backward where it owns the step; else ``plain(loss)`` (the precision's backward)
+        between the engine's hooks. ``loss`` already carries the precision's scale."""
+        if self.engine.owns_step:
+            self.engine.backward(self.model, loss, manual=manual)
+            return
+        self.pre_backward(loss, manual)
+        plain(loss)
+        self.post_backward(manual)
+
+    def engine_step(self, optimizer: Optimizer) -> None:
+        """The step of an engine that owns it (DeepSpeed): clipping, the loss scale and the step inside."""
+        self.engine.step(self.model, optimizer)
+
+    def skips(self, loss: Tensor | None, optimizer: Optimizer) -> bool:
+        """``skip_nonfinite``: whether every rank skips this step (a non-finite loss or gradient on any rank);
+        the gradients are then dropped. With a loss scaler, inf gradients are the scaler's business."""
+        if self.guard is None:
+            return False
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.guard.should_skip(loss, params, self.device, check_grads=self.precision.scaler is None):
+            return False
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0 if self.guard is None else self.guard.total
+
+    def after_manual_step(self) -> None:
+        self.engine.after_manual_step(self.model)
+
+    def clip_norm(self, parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+        """Clip by the 2-norm of the whole model's gradient: one all-reduce of squared norms over every mesh."""
+        return clip_grad_norm_(list(parameters), max_norm, pipeline_stages=self.pipeline_stages)
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        with self.engine.no_sync(self.model):
+            yield
+
+    @property
+    def recompiles(self) -> int:
+        """``compile=...``: blocks dynamo compiled again after their first graph, since set-up, on this rank."""
+        baseline = self.engine.compile_baseline
+        return 0 if baseline is None else recompiles() - baseline
+
+    # --- pipeline stages -------------------------------------------------------------------------------
 
     def pipeline_train_step(
-        self, inputs: tuple[Any, ...], target: Any, scale: float, run: ScheduleStep | None = None
+        self, inputs: tuple[Any, ...], target: Any, scale: float, hold: bool = False
     ) -> Tensor:
         """Forward and backward of one batch through this rank's stages; this rank's loss, weighted by its share
         of the targets under context parallelism (the group's mean of it is the whole sequences' loss).
 
         ``scale`` multiplies the gradients (``1 / accumulate``); ``16-mixed``'s loss scale is applied here, as
-        the door's backward would apply it. ``run`` replaces the schedule's own step (default).
+        a backward would apply it. ``hold``: the gradients the schedule makes wait aside until
+        :meth:`add_held_gradients` (a loop that zeroes gradients between the step and its backward).
         """
         assert self.pipeline is not None
         scaler = self.precision.scaler
         if scaler is not None:  # scale() of a one: the scaler's current scale (its first call creates it)
             scale *= float(scaler.scale(torch.ones((), device=self.device)))
         inputs, target, weight = cut_pair(self.context_parallel, inputs, target)
-        step = run or self.pipeline.train_step
         with self.precision.forward_context():
             # The schedule's loss is the mean over microbatches of this rank's own mean loss (it divides the
             # scale back out); weighted, as a step without stages returns it.
-            return step(inputs, target, float(scale * weight)) * weight
+            if not hold:
+                return self.pipeline.train_step(inputs, target, float(scale * weight)) * weight
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                loss = self.pipeline.train_step(inputs, target, float(scale * weight))
+                self._held = [(p, p.grad) for p in params]
+            finally:
+                for p, grad in zip(params, kept, strict=True):
+                    p.grad = grad
+            return loss * weight
+
+    def add_held_gradients(self) -> None:
+        held, self._held = self._held or [], None
+        for p, grad in held:
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
 
     def pipeline_eval_step(self, inputs: tuple[Any, ...], target: Any) -> Tensor:
         """Forward only through this rank's stages; this rank's loss, weighted as in training."""
@@ -71,7 +204,50 @@ class Session:
         with torch.no_grad(), self.precision.forward_context():
             return self.pipeline.eval_step(inputs, target) * weight
 
-    def refuse_unsharded_checkpoint(self, path: Any, owner: str, call: str) -> None:
+    def pipeline_predict_step(self, inputs: tuple[Any, ...]) -> Any:
+        """The last stage's output for whole sequences (cut over the context-parallel group and gathered)."""
+        assert self.pipeline is not None
+        inputs = cut_pair(self.context_parallel, inputs, None)[0]
+        with torch.no_grad(), self.precision.forward_context():
+            output = self.pipeline.predict_step(inputs)
+        if self.context_parallel is None or self.context_parallel.seq_len is None:
+            return output
+        # The last stage's output arrives on the CPU; the group's collectives run on the rank's device.
+        return _moved(self.gather(_moved(output, self.device)), torch.device("cpu"))
+
+    # --- state and checkpoints -------------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        return self.config.checkpoint == "full"
+
+    def model_state(self) -> dict[str, Any]:
+        return self.engine.model_state_dict(self.model, full=self.full)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.engine.optimizer_state_dict(self.model, optimizer, full=self.full)
+
+    def save(
+        self,
+        optimizers: list[Optimizer],
+        checkpoint: dict[str, Any],
+        location: Location,
+        exception: bool = False,
+    ) -> None:
+        """Write a checkpoint through the engine. With pipeline stages every stage writes its own parameters and
+        optimizer state, keyed by name; the mark says how many stages wrote it."""
+        if self.pipeline is not None:
+            checkpoint[PIPELINE_KEY] = self.config.pipeline_parallel_size
+        self.engine.save_checkpoint(self.model, optimizers, checkpoint, location, exception=exception)
+
+    def load(
+        self, optimizers: list[Optimizer], location: Any, weights_only: bool | None, owner: str, call: str
+    ) -> dict[str, Any]:
+        """Read a checkpoint into the model and optimizers; what else it holds comes back."""
+        self._refuse_unsharded(location, owner, call)
+        return self.engine.load_checkpoint(self.model, optimizers, location, weights_only)
+
+    def _refuse_unsharded(self, path: Any, owner: str, call: str) -> None:
         """With pipeline stages only sharded checkpoints resume (each stage reads its own parameters by name)."""
         if self.pipeline is None or not (path.is_file() or is_deepspeed_checkpoint(path)):
             return
@@ -82,3 +258,7 @@ class Session:
             f" sharded ({owner}(checkpoint='sharded')), or start from its weights"
             " (lightning_shard.checkpoint.load_model_weights)."
         )
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    return tree_map_only(Tensor, lambda t: t.to(device), value)

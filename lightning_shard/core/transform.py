@@ -44,7 +44,7 @@ from lightning_shard.activation_checkpointing import apply_activation_checkpoint
 from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel, apply_context_parallel
-from lightning_shard.core.process_groups import ProcessGroups
+from lightning_shard.core.process_groups import ProcessGroups, pipeline_rank
 from lightning_shard.core.session import Session
 from lightning_shard.engines import Engine, engine_class
 from lightning_shard.parallel import apply_tensor_parallel, clip_grad_norm_
@@ -56,8 +56,6 @@ from lightning_shard.tiling import apply_tiled_loss, apply_tiled_mlp
 
 log = logging.getLogger(__name__)
 
-#: In the checkpoints of a run with pipeline stages: how many.
-PIPELINE_KEY = "lightning_shard_pipeline_parallel_size"
 #: Marks left on a prepared module: its stage plan, the block classes detected on the whole model, the
 #: activation checkpointing applied, the full weights loaded.
 _STAGE = "_lightning_shard_pipeline_stage"
@@ -130,7 +128,14 @@ def prepare(
     processes.barrier()
     processes.apply_timeout()
     return Session(
-        model, engine, config, pipeline, precision, processes.context_parallel, processes.root_device
+        model,
+        engine,
+        config,
+        pipeline,
+        precision,
+        processes.context_parallel,
+        processes.root_device,
+        pipeline_stages=processes.layout.pp,
     )
 
 
@@ -196,11 +201,6 @@ def _install_tiling(module: nn.Module, config: ShardConfig, owner: str) -> None:
     if config.tiled_loss is not False:
         names = apply_tiled_loss(module, config.tiled_loss, f"{owner}(tiled_loss={config.tiled_loss!r})")
         log.info("%s: tiled loss: %s", owner, names)
-
-
-def pipeline_rank(mesh: Any) -> int | None:
-    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
-    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
 
 
 def _cut_to_stages(

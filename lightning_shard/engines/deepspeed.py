@@ -33,6 +33,7 @@ from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
 from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
+from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
@@ -306,7 +307,8 @@ class DeepSpeedEngine(Engine):
         )
         if load_path is None:
             raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
-        return client_state
+        # What the caller saved beside the model: DeepSpeed's own entries are read by DeepSpeed alone.
+        return {key: value for key, value in client_state.items() if key not in DEEPSPEED_ENTRIES}
 
     def _load_weights_only(self, model: nn.Module, path: Path) -> dict[str, Any]:
         """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more).

@@ -11,6 +11,7 @@ for the Trainer (atomic commit, any world size and stage on load).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.fabric
@@ -38,8 +39,8 @@ def split_state(
             f" fabric.setup(...) (modules in the state: {found}). Pass state={{'model': model, 'optimizer':"
             " optimizer, ...}} with that model, and save other models to checkpoints of their own."
         )
-    optimizers = [(key, obj) for key, obj in state.items() if isinstance(obj, Optimizer)]
-    others = {key: obj for key, obj in state.items() if key != modules[0] and not isinstance(obj, Optimizer)}
+    optimizers = [(key, obj) for key, obj in state.items() if _is_optimizer(obj)]
+    others = {key: obj for key, obj in state.items() if key != modules[0] and not _is_optimizer(obj)}
     clash = sorted(set(others) & set(_RESERVED))
     if clash:
         raise ValueError(
@@ -47,6 +48,15 @@ def split_state(
             f" key(s) {', '.join(repr(k) for k in clash)} would overwrite them. Rename those entries."
         )
     return modules[0], optimizers, others
+
+
+def _is_optimizer(obj: Any) -> bool:
+    """A torch optimizer, or the one the DeepSpeed engine hands Fabric (DeepSpeed's ZeRO optimizers derive from
+    its own base, not torch's), as Fabric's DeepSpeedStrategy counts them."""
+    if isinstance(obj, Optimizer):
+        return True
+    base = sys.modules.get("deepspeed.runtime.base_optimizer")  # loaded where the DeepSpeed engine runs
+    return base is not None and isinstance(obj, base.DeepSpeedOptimizer)
 
 
 def to_checkpoint(

@@ -1,12 +1,24 @@
 """What ShardFabricStrategy checks and fixes up when Fabric sets a model up: flags that are Trainer hooks,
-and an optimizer built before sharding, pointed at the parameters that replaced the ones it holds."""
+and an optimizer built before sharding, pointed at the parameters that replaced the ones it holds; the launcher
+and the backward-sync control it hands Fabric."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_shard.config import ShardConfig
+from lightning_shard.core.processes import ReapChildren
+
+
+class FabricLauncher(ReapChildren, _SubprocessScriptLauncher):
+    """Fabric's script launcher; rank 0 reaps the ranks it started when it exits."""
 
 
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
@@ -67,3 +79,16 @@ def refuse_trainer_only(config: ShardConfig) -> None:
     for flag, hit, why in refused:
         if hit:
             raise ValueError(f"ShardFabricStrategy({flag}) is a Trainer-only flag: {why}.")
+
+
+class EngineNoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the engine's own way of skipping gradient communication."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        return self._strategy.engine.no_sync(module)

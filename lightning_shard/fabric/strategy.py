@@ -1,21 +1,23 @@
-"""ShardFabricStrategy: the Fabric front door to the engines behind ShardStrategy.
+"""ShardFabricStrategy: the Fabric front door to the core behind ShardStrategy.
 
-``L.Fabric(strategy=ShardFabricStrategy(stage=3))`` (or ``strategy="zero3"``) validates the same flags
-into the same :class:`~lightning_shard.ShardConfig`, starts processes and the device mesh as the Trainer
-strategy does (:mod:`._processes`), and hands the model, optimizers, backward, step, accumulation and
-checkpoints to one engine through the contract in :mod:`lightning_shard.engines.base`. Checkpoints are the
-Trainer strategy's format (:mod:`._checkpoint`): written by either front door, read by both.
+``L.Fabric(strategy=ShardFabricStrategy(stage=3))`` (or ``strategy="zero3"``) validates the same flags into the
+same :class:`~lightning_shard.ShardConfig`; its processes and collectives are the core's
+:class:`~lightning_shard.core.ProcessGroups`, beside Fabric's own ``ParallelStrategy``. ``fabric.setup`` runs
+:func:`~lightning_shard.core.prepare`, and every call after it (backward, step, clipping, accumulation, the
+pipeline and context-parallel calls, checkpoints) forwards to the run's :class:`~lightning_shard.core.Session`.
+Checkpoints are the Trainer strategy's format (:mod:`._checkpoint`): written by either front door, read by both.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import _Sharded
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -23,20 +25,27 @@ from typing_extensions import override
 from lightning_shard import _ddp
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.core import guarded, transform
+from lightning_shard.context_parallel.batch import cut_for_rank, group_mean
+from lightning_shard.core import ProcessGroups, Session, guarded, transform
+from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
+from lightning_shard.core.transform import LossFn
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint
-from lightning_shard.fabric._context_parallel import FabricContextParallel
-from lightning_shard.fabric._pipeline import FabricPipeline
+from lightning_shard.fabric._context_parallel import cuts
+from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
-from lightning_shard.fabric._processes import FabricProcesses
-from lightning_shard.fabric._setup import parameter_names, rebind, refuse_trainer_only
+from lightning_shard.fabric._setup import (
+    EngineNoSync,
+    FabricLauncher,
+    parameter_names,
+    rebind,
+    refuse_trainer_only,
+)
 from lightning_shard.flags import args_doc, bind, takes_flags
-from lightning_shard.parallel import clip_grad_norm_
 
 
-class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses, _Sharded):
+class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     """ZeRO stages 0-3 for a Lightning Fabric loop, over the engines :class:`~lightning_shard.ShardStrategy` uses.
 
     Takes ShardStrategy's arguments (``stage``, ``engine``, ``offload_*``, ``activation_checkpointing``,
@@ -48,6 +57,8 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
     the loss (:mod:`._context_parallel`). Not available here, because they are Trainer hooks:
     ``stage="auto"`` (it plans from the Trainer's batch) and ``skip_nonfinite``. See docs/fabric.md.
     """
+
+    launcher_class = FabricLauncher
 
     @takes_flags
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,14 +81,12 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
         self._engine_class: type[Engine] = engine_class(config.engine)
         self._fabric_precision: FabricShardPrecision | None = None
         super().__init__()
-        self._backward_sync_control = _EngineNoSync(self)
-        self._engine: Engine | None = None
+        self._backward_sync_control = EngineNoSync(self)
+        self._engine: Engine | None = None  # built at launch; the session's from fabric.setup on
+        self._session: Session | None = None
         self._module: nn.Module | None = None  # the user's module, sharded in place or wrapped
-        self._model: nn.Module | None = None  # what runs: the engine's wrapper (DDP, DeepSpeed) or the module
-
-    @property
-    def stage(self) -> int | str:
-        return self.config.stage
+        self._loss_fn: LossFn | None = None  # pipeline stages: the loss pipeline_step was given
+        self._cut_weight, self._cut_by_loop = 1.0, False  # context parallelism: the loop's last cut batch
 
     @property
     def engine(self) -> Engine:
@@ -140,7 +149,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 "ShardFabricStrategy sets up one model per Fabric: fabric.setup was called with a second one"
                 f" ({type(module).__name__}). Put the models in one nn.Module, or use one Fabric per model."
             )
-        prepared = transform.prepare(
+        session = transform.prepare(
             module,
             self.config,
             self.precision.shard,
@@ -149,10 +158,13 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
             loss_fn=self._call_loss,
             owner="ShardFabricStrategy",
         )
-        self._session = prepared
-        self.config, self._engine, self._pipeline = prepared.config, prepared.engine, prepared.pipeline
-        self._module, self._model = module, prepared.model
-        return prepared.model
+        self._session, self.config, self._engine, self._module = (
+            session,
+            session.config,
+            session.engine,
+            module,
+        )
+        return session.model
 
     @override
     def setup_module_and_optimizers(
@@ -160,20 +172,19 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
     ) -> tuple[nn.Module, list[Optimizer], Any]:
         # The optimizers were made before sharding: they hold the parameters as they were built.
         names = parameter_names(module)
-        model = self.setup_module(module)
+        self.setup_module(module)
         live = dict(module.named_parameters())
         for optimizer in optimizers:
             # With pipeline stages, parameters of the other ranks' stages were cut away: they leave it too.
-            rebind(optimizer, names, live, cut=self._pipeline is not None)
+            rebind(optimizer, names, live, cut=self._running().pipeline is not None)
         schedulers = [scheduler] if scheduler is not None else []
-        model, optimizers = self.engine.setup_optimizers(model, list(optimizers), schedulers, TrainSettings())
-        self._model = model
+        optimizers = self._running().setup_optimizers(list(optimizers), schedulers, TrainSettings())
         self.apply_timeout()
-        return model, optimizers, scheduler
+        return self._running().model, optimizers, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None or self._model is None:
+        if self._module is None:
             raise RuntimeError(
                 "ShardFabricStrategy: set the model up before its optimizer: model = fabric.setup_module(model),"
                 " then build the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer);"
@@ -191,32 +202,113 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 " model's (it was built before fabric.setup_module sharded the model). Build it after"
                 " fabric.setup_module(model) from model.parameters(), or pass both to fabric.setup(model, optimizer)."
             )
-        _, (optimizer,) = self.engine.setup_optimizers(self._model, [optimizer], [], TrainSettings())
+        (optimizer,) = self._running().setup_optimizers([optimizer], [], TrainSettings())
         return optimizer
+
+    @override
+    @guarded
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean"
+    ) -> Tensor | Any:
+        return reduce_tensor(tensor, group, reduce_op)
+
+    # --- the loop's own calls: context parallelism and pipeline stages ---------------------------
+
+    def cut_batch(self, batch: Any) -> Any:
+        """This rank's part of ``batch`` (each rank of a context-parallel group calls it on the same batch).
+
+        Every tensor of the batch (in dicts, lists, tuples) whose dim 1 has the sequence length ``T`` keeps
+        this rank's two chunks of ``T / 2c`` tokens; a dict batch with ``labels`` gains ``shift_labels``.
+        The model then runs its attention over the group, and ``fabric.backward`` weights the loss of this
+        batch (:attr:`loss_weight`). Without context parallelism the batch comes back as it is, so one loop
+        serves every ``context_parallel_size`` (:mod:`._context_parallel`).
+        """
+        cp = self.context_parallel
+        if not cuts(self.config, cp, self._module is not None):
+            return batch
+        self.end_cut()  # a batch that cannot be cut leaves no earlier sequence behind
+        cut, self._cut_weight = cut_for_rank(cp, batch, owner="ShardFabricStrategy")
+        self._cut_by_loop = True
+        return cut
+
+    def end_cut(self) -> None:
+        """The model runs whole sequences again, as on one process (evaluation after training, say), and
+        ``fabric.backward`` stops weighting the loss, until the next :meth:`cut_batch`."""
+        if self.context_parallel is not None:
+            self.context_parallel.end()
+        self._cut_weight, self._cut_by_loop = 1.0, False
+
+    @property
+    def loss_weight(self) -> float:
+        """What ``fabric.backward`` multiplies the loss by: ``c x n_r / N`` for the last cut batch (1 for a
+        tuple batch, whose chunks hold equal numbers of targets; 1 outside a cut batch). The rank's loss
+        times it, averaged over the group (``fabric.all_reduce``), is the group's mean loss."""
+        return self._cut_weight
+
+    def _weigh_loss(self, loss: Tensor) -> Tensor:
+        return loss if self._cut_weight == 1.0 else loss * self._cut_weight
+
+    @guarded
+    def pipeline_step(
+        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None, scale: float = 1.0
+    ) -> Tensor:
+        """Forward and backward of one batch through this rank's pipeline stages; its loss on every stage.
+
+        Args:
+            model: the model ``fabric.setup`` returned.
+            inputs: the first stage's positional arguments (a tensor or a tuple of them); the last stage
+                may pass anything, as only the first stage reads them.
+            target: what ``loss_fn`` compares the last stage's output with.
+            loss_fn: ``loss_fn(output, target) -> Tensor``, the mean loss of one microbatch; by default the
+                model's ``pipeline_loss`` (the Trainer strategy's contract, docs/pipeline.md).
+            scale: the gradients are ``scale x`` those of the batch's loss (``1 / accumulate`` under
+                accumulation); the returned loss is not scaled.
+
+        With ``context_parallel_size > 1`` the inputs and the target (both ``(batch, sequence, ...)``, the
+        target aligned with the inputs position by position) are cut to this rank's chunks, as
+        ``cut_batch`` cuts (do not cut them first); each rank's loss is weighted by its share of the
+        targets, and the loss returned is the group's: the whole sequences' loss.
+        """
+        self._loss_fn = check_pipeline_call("pipeline_step", self._session, model, loss_fn, self._cut_by_loop)
+        loss = self._running().pipeline_train_step(as_tuple(inputs), target, scale)
+        return group_mean(self.context_parallel, loss)
+
+    @guarded
+    def pipeline_eval_step(
+        self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None
+    ) -> Tensor:
+        """Forward only, through this rank's stages; the batch's loss on every stage."""
+        self._loss_fn = check_pipeline_call(
+            "pipeline_eval_step", self._session, model, loss_fn, self._cut_by_loop
+        )
+        return group_mean(self.context_parallel, self._running().pipeline_eval_step(as_tuple(inputs), target))
+
+    def _call_loss(self, output: Any, target: Any) -> Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
 
     # --- training --------------------------------------------------------------------------------
 
     @override
     @guarded
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        model = self._running()
-        self._refuse_backward_under_pipeline()
+        session = self._running()
+        refuse_backward_under_pipeline(session)
         tensor = self._weigh_loss(tensor)  # context parallelism: the rank's share of the cut batch's targets
         tensor = self.precision.pre_backward(tensor, module)
-        if self.engine.owns_step:
-            # Fabric steps the optimizer where the user says: every backward may precede a step.
-            self.engine.backward(model, tensor, manual=True)
-        else:
-            self.engine.pre_backward(model, tensor, manual=False)
-            self.precision.backward(tensor, module, *args, **kwargs)
-            self.engine.post_backward(model, manual=False)
+        # Fabric steps the optimizer where the user says: an engine's own backward may precede a step.
+        session.backward(
+            tensor,
+            manual=self.engine.owns_step,
+            plain=lambda loss: self.precision.backward(loss, module, *args, **kwargs),
+        )
         self.precision.post_backward(tensor, module)
 
     @override
     @guarded
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.engine.owns_step:
-            self.engine.step(self._running(), optimizer)
+            self._running().engine_step(optimizer)
             return None
         return self.precision.optimizer_step(optimizer, **kwargs)
 
@@ -237,9 +329,7 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 " Use fabric.clip_gradients(model, optimizer, max_norm=..., norm_type=2.0), or clip_val=... by value."
             )
         self.precision.unscale_gradients(optimizer)
-        parameters = list(self.precision.main_params(optimizer))
-        # One all-reduce of squared norms over every rank and mesh: the norm of the whole model's gradient.
-        norm = clip_grad_norm_(parameters, float(max_norm), pipeline_stages=self.layout.pp)
+        norm = self._running().clip_norm(self.precision.main_params(optimizer), float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(
                 f"The total norm of the gradients is {norm.item()}: fabric.clip_gradients(error_if_nonfinite=True)"
@@ -261,26 +351,27 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 " and clips inside its step. Use engine='fsdp' to clip from the loop."
             )
 
-    def _running(self) -> nn.Module:
-        if self._model is None:
+    def _running(self) -> Session:
+        if self._session is None:
             raise RuntimeError(
                 "ShardFabricStrategy: no model is set up yet. Call fabric.setup(model, optimizer)."
             )
-        return self._model
+        return self._session
+
+    @property
+    def _model(self) -> nn.Module | None:
+        """What runs: the engine's wrapper (DDP, DeepSpeed) or the module itself (``None`` before set-up)."""
+        return None if self._session is None else self._session.model
 
     # --- state and checkpoints -------------------------------------------------------------------
 
-    @property
-    def _full(self) -> bool:
-        return self.config.checkpoint == "full"
-
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return self.engine.model_state_dict(self._running(), full=self._full)
+        return self._running().model_state()
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.engine.optimizer_state_dict(self._running(), optimizer, full=self._full)
+        return self._running().optimizer_state(optimizer)
 
     @override
     @guarded
@@ -293,17 +384,15 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 f"fabric.save(..., {given}=...) is not supported by ShardFabricStrategy: every rank writes its own"
                 " shards with torch.distributed.checkpoint. Save the whole state, without it."
             )
-        model = self._running()
+        session = self._running()
         location = resolve(self.broadcast(str(path)), "fabric.save(path)")
-        _, optimizers, others = _checkpoint.split_state(state, model)
-        self._mark_pipeline(others)
-        engine = self.engine
+        _, optimizers, others = _checkpoint.split_state(state, session.model)
+        if self.refuse_write_after_failure(path):
+            return
         checkpoint = _checkpoint.to_checkpoint(
-            engine.model_state_dict(model, full=self._full),
-            [engine.optimizer_state_dict(model, optimizer, full=self._full) for _, optimizer in optimizers],
-            others,
+            session.model_state(), [session.optimizer_state(optimizer) for _, optimizer in optimizers], others
         )
-        engine.save_checkpoint(model, [optimizer for _, optimizer in optimizers], checkpoint, location)
+        session.save([optimizer for _, optimizer in optimizers], checkpoint, location)
 
     @override
     @guarded
@@ -317,12 +406,12 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
                 f"ShardFabricStrategy loads into the set-up model: got fabric.load(path, state={state!r}). Pass"
                 " state={'model': model, 'optimizer': optimizer, ...}."
             )
-        model = self._running()
+        session = self._running()
         location = follow_alias(resolve(self.broadcast(str(path)), "fabric.load(path)"))
-        self._session.refuse_unsharded_checkpoint(location, "ShardFabricStrategy", "fabric.load(path)")
-        _, optimizers, others = _checkpoint.split_state(state, model)
-        loaded = self.engine.load_checkpoint(
-            model, [optimizer for _, optimizer in optimizers], location, weights_only
+        _, optimizers, others = _checkpoint.split_state(state, session.model)
+        optimizer_list = [optimizer for _, optimizer in optimizers]
+        loaded = session.load(
+            optimizer_list, location, weights_only, "ShardFabricStrategy", "fabric.load(path)"
         )
         return _checkpoint.restore_entries(state, others, loaded, strict)
 
@@ -351,16 +440,3 @@ class ShardFabricStrategy(FabricContextParallel, FabricPipeline, FabricProcesses
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_names(strategy_registry, cls)
-
-
-class _EngineNoSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: the engine's own way of skipping gradient communication."""
-
-    def __init__(self, strategy: ShardFabricStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        return self._strategy.engine.no_sync(module)

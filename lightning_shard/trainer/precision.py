@@ -42,6 +42,15 @@ class ShardPrecision(Precision):
         plugin.policy, plugin.precision = policy, policy.precision
         return plugin
 
+    @classmethod
+    def for_engine(cls, plugin: Precision, engine: Any, stage: int | str) -> ShardPrecision:
+        """The plugin a ShardStrategy runs for the one Lightning built from ``Trainer(precision=...)``, checked
+        against the engine at Trainer construction, so an unsupported precision fails before any process
+        starts. The user's own ShardPrecision is kept where the engine runs its policy as it is (FSDP)."""
+        policy = engine.precision_class.from_plugin(to_policy(plugin))
+        engine.check_precision(stage, policy)
+        return plugin if isinstance(plugin, cls) and plugin.policy is policy else cls.over(policy)
+
     @property
     def reduce_dtype(self) -> torch.dtype | None:
         return self.policy.reduce_dtype

@@ -1,10 +1,11 @@
 """ShardStrategy: ZeRO stages 0-3 for any LightningModule, on CPU (gloo) and CUDA (nccl).
 
-The strategy validates flags before any process starts, builds one engine at set-up
-(:mod:`lightning_shard.engines`) and delegates sharding, state dicts and gradient sync to it. Its other
-jobs live in the modules named for them: processes, groups and collectives in
-:mod:`lightning_shard.core.processes`, step hooks in :mod:`lightning_shard.trainer._steps`, checkpoint hooks in
-:mod:`lightning_shard.trainer._checkpoint` (over :mod:`lightning_shard.checkpoint`).
+The Trainer door. It validates the flags before any process starts; its processes and collectives are the
+core's :class:`~lightning_shard.core.ProcessGroups`, the one base it shares with the Fabric door beside the
+framework's own ``ParallelStrategy``. At set-up :func:`~lightning_shard.core.prepare` transforms the model and
+returns the run's :class:`~lightning_shard.core.Session`; every hook below forwards to it (steps, backward, the
+optimizer step, accumulation, checkpoints) and keeps only what is Lightning's: its loop order, hooks and logging.
+The pipeline contract a LightningModule meets is in :mod:`lightning_shard.trainer._pipeline`.
 """
 
 from __future__ import annotations
@@ -12,45 +13,48 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import _ddp
 from lightning_shard._meta import parameters_on_meta
-from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
-from lightning_shard.config import CheckpointMode, ShardConfig
-from lightning_shard.core import CollectiveTimeoutError, transform
+from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
+from lightning_shard.config import ShardConfig
+from lightning_shard.context_parallel import scale_loss
+from lightning_shard.context_parallel.batch import group_mean
+from lightning_shard.core import ProcessGroups, Session, guarded, transform
+from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.flags import args_doc, bind, takes_flags
-from lightning_shard.offload import OffloadDevice
 from lightning_shard.planner import auto_stage
 from lightning_shard.trainer import _compat as trainer_compat
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
-from lightning_shard.trainer._checkpoint import CheckpointHooks
-from lightning_shard.trainer._pipeline import PipelineSteps
+from lightning_shard.trainer._checkpoint import interrupted, last_on_object_stores, with_module_state
+from lightning_shard.trainer._pipeline import check_contract, predict_inputs, split_batch
 from lightning_shard.trainer._preemption import Preemption
-from lightning_shard.trainer.nonfinite import NonFiniteGuard
-from lightning_shard.trainer.precision import ShardPrecision, to_policy
+from lightning_shard.trainer._processes import TrainerLauncher
+from lightning_shard.trainer._steps import backward_hooks_around, report_skip, warn_recompiles
+from lightning_shard.trainer.precision import ShardPrecision
 
 log = logging.getLogger(__name__)
 trainer_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
-class ShardStrategy(PipelineSteps, CheckpointHooks):
+class ShardStrategy(ProcessGroups, ParallelStrategy):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
-    What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md
-    ("Memory per rank"). The strategy validates its flags into one :class:`ShardConfig`, owns the
-    processes and the device mesh, and hands everything else to one engine through the contract in
-    :mod:`lightning_shard.engines.base`.
-
-    The flags (the ``Args`` below) are declared once, in :class:`lightning_shard.flags.ShardFlags`, which
-    gives this class its signature.
+    What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md ("Memory per
+    rank"). The flags (the ``Args`` below) are declared once, in :class:`lightning_shard.flags.ShardFlags`.
 
     Models larger than one device: build them under ``trainer.init_module(empty_init=True)`` or in
     ``configure_model``; their parameters stay on the meta device until set-up shards them and
@@ -58,6 +62,7 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
     """
 
     strategy_name = "shard"
+    launcher_class = TrainerLauncher
 
     @takes_flags
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -66,12 +71,9 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         self.config = ShardConfig.from_flags(ddp_kwargs=ddp_kwargs, **vars(flags))
         # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
         self._engine_class = engine_class(self.config.engine)
-        super().__init__(
-            **kwargs,
-        )
-        self._guard = NonFiniteGuard(self.config.max_skipped) if self.config.skip_nonfinite else None
-        self._engine: Engine | None = None
-        self._engine_live = False
+        super().__init__(**kwargs)
+        self._session: Session | None = None
+        self._engine_live = False  # the session's engine serves the current Trainer call
         self._preemption = Preemption()
         self._empty_init = False  # init_module(empty_init=True) was used: configure_model builds empty too
 
@@ -88,34 +90,6 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             " lightning.Fabric pass ShardFabricStrategy(...) with the same arguments, or ShardStrategy(...).fabric())"
         )
 
-    # --- the validated flags ---------------------------------------------------------------------
-
-    @property
-    def stage(self) -> int | str:
-        """The ZeRO stage (``"auto"`` until setup resolves it)."""
-        return self.config.stage
-
-    @property
-    def engine_name(self) -> str:
-        """The engine that serves the flags (``engine="auto"`` resolved)."""
-        return self.config.engine
-
-    @property
-    def checkpoint_mode(self) -> CheckpointMode:
-        return self.config.checkpoint
-
-    @property
-    def activation_checkpointing(self) -> ActivationCheckpointingConfig | None:
-        return self.config.activation_checkpointing
-
-    @property
-    def offload_optimizer(self) -> OffloadDevice | None:
-        return self.config.offload_optimizer
-
-    @property
-    def offload_params(self) -> OffloadDevice | None:
-        return self.config.offload_params
-
     # --- precision -------------------------------------------------------------------------------
 
     @property  # type: ignore[override]
@@ -127,16 +101,12 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning assigns the plugin it built from Trainer(precision=...): translate it here, at
-        # Trainer construction, so an unsupported precision fails before any process starts.
-        if plugin is None:
-            self._precision_plugin = None
-            return
-        policy = self._engine_class.precision_class.from_plugin(to_policy(plugin))
-        self._engine_class.check_precision(self.config.stage, policy)
-        # The user's own ShardPrecision is kept where the engine runs its policy as it is (the FSDP engine).
-        kept = isinstance(plugin, ShardPrecision) and plugin.policy is policy
-        self._precision_plugin = plugin if kept else ShardPrecision.over(policy)
+        # Lightning assigns the plugin it built from Trainer(precision=...).
+        self._precision_plugin = (
+            None
+            if plugin is None
+            else ShardPrecision.for_engine(plugin, self._engine_class, self.config.stage)
+        )
 
     # --- model side -------------------------------------------------------------------------------
 
@@ -184,23 +154,21 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
-        self._check_pipeline_contract()
+        if self.pipeline_stage is not None:
+            check_contract(self._lm, self.config.pipeline_parallel_size)  # before the cut
         transform.prepare_precision(self.precision_plugin.policy, self)
-        prepared = transform.prepare(
+        earlier = self._session
+        self._session = transform.prepare(
             self._lm,
             self.config,
             self.precision_plugin.policy,
             self,
-            engine=self._engine if self._engine_live else None,
+            engine=earlier.engine if earlier is not None and self._engine_live else None,
             loss_fn=getattr(self._lm, "pipeline_loss", None),  # checked above, with pipeline stages
         )
-        self._session = prepared
-        self.model, self._engine, self.config, self._pipeline = (
-            prepared.model,
-            prepared.engine,
-            prepared.config,
-            prepared.pipeline,
-        )
+        if earlier is not None and earlier.guard is not None:
+            self._session.guard = earlier.guard  # skipped steps count over the Trainer's calls
+        self.model, self.config = self._session.model, self._session.config
         self._engine_live = True
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -223,9 +191,9 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
             trainer.accumulate_grad_batches, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         )
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        self.model, self.optimizers = self.engine.setup_optimizers(
-            self.model, list(self.optimizers), schedulers, settings
-        )
+        session = self._live()
+        self.optimizers = session.setup_optimizers(list(self.optimizers), schedulers, settings)
+        self.model = session.model
 
     def state_bytes(self) -> dict[str, Any]:
         """This rank's bytes of model state: ``{"parameters" | "gradients" | "optimizer": {"accelerator",
@@ -239,37 +207,242 @@ class ShardStrategy(PipelineSteps, CheckpointHooks):
         groups stay alive for collectives in user code and the next call, as under ``DDPStrategy``; they
         are destroyed at exit (:mod:`lightning_shard.core.processes`)."""
         try:
-            if self.context_parallel is not None:
-                self.context_parallel.end()  # the model runs whole sequences outside the Trainer's steps
-            if self._engine is not None and self._engine_live:
-                # Kept for inspection after the run; the next Trainer call builds a fresh one.
-                self._engine_live = False
-                self._engine.teardown()
-            self._teardown_barrier()
+            if self._session is not None:
+                self._session.end_cut()  # the model runs whole sequences outside the Trainer's steps
+                if self._engine_live:  # the engine is kept for inspection; the next call builds a fresh one
+                    self._engine_live = False
+                    self._session.engine.teardown()
+            self.end_barrier()
         finally:
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
 
-    def _teardown_barrier(self) -> None:
-        """When a Trainer call returns on any rank, every rank has committed its checkpoints and removed its
-        files (skipped after a collective failed: the other ranks may be gone)."""
-        if self._timed_out or self._device_mesh is None:
-            return
-        try:
-            self.barrier("teardown")
-        except CollectiveTimeoutError as error:
-            log.error("ShardStrategy: the barrier at the end of the call failed: %s", error)
-
     def _destroy_world(self) -> None:
         self._engine_class.destroy_world()  # DeepSpeed's drops its cached groups too
 
     def _release_at_exit(self) -> None:
-        if self._engine is not None and self._engine_live:
+        if self._session is not None and self._engine_live:
             self._engine_live = False
             try:
-                self._engine.teardown()
+                self._session.engine.teardown()
             except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
                 log.error("ShardStrategy: engine teardown at exit failed: %r", error)
         super()._release_at_exit()
+
+    # --- the session: every step forwarded to it -----------------------------------------------------
+
+    @property
+    def _lm(self) -> L.LightningModule:
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    def _live(self) -> Session:
+        if self._session is None:
+            raise RuntimeError(
+                "ShardStrategy: the run is only available once the Trainer has set the model up."
+            )
+        return self._session
+
+    @property
+    def engine(self) -> Engine:
+        return self._live().engine
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's connector: a custom strategy must say so to get a DistributedSampler.
+        return True
+
+    @override
+    @guarded
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+        return reduce_tensor(tensor, group, reduce_op)
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # An engine that owns the step counts micro-batches itself and steps at the boundary.
+        return self._engine_class.owns_step
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    @guarded
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        session, module = self._live(), self._lm
+        self._preemption.agree(self.root_device)
+        if session.pipeline is None:
+            args, weight = session.cut(args)
+            with self.precision_plugin.train_step_context():
+                return scale_loss(session.call(module, "training_step", *args, **kwargs), weight)
+        # The schedule runs every microbatch's backward here: Lightning's division by accumulate_grad_batches
+        # is the scale, and Lightning zeroes gradients before its backward, so the schedule's wait aside.
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        loss = session.pipeline_train_step(*split_batch(module, args[0]), scale, hold=True)
+        module.log("train_loss", group_mean(self.context_parallel, loss), prog_bar=True)
+        return loss
+
+    @override
+    @guarded
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", "val_loss", args, kwargs)
+
+    @override
+    @guarded
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", "test_loss", args, kwargs)
+
+    def _evaluate(self, method: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        session, module = self._live(), self._lm
+        if session.pipeline is not None:
+            loss = session.pipeline_eval_step(*split_batch(module, args[0]))
+            # Every stage holds the same value: the mean over all ranks is the data-parallel mean (and over a
+            # context-parallel group, of weighted losses, the whole sequences' loss).
+            module.log(name, loss, sync_dist=True)
+            return loss
+        args, _ = session.cut(args)
+        with getattr(
+            self.precision_plugin, f"{method.split('_')[0].replace('validation', 'val')}_step_context"
+        )():
+            return session.call(module, method, *args, **kwargs)
+
+    @override
+    @guarded
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        session, module = self._live(), self._lm
+        if session.pipeline is not None:
+            return session.pipeline_predict_step(predict_inputs(module, args[0]))
+        args, _ = session.cut(args)
+        with self.precision_plugin.predict_step_context():
+            output = session.call(module, "predict_step", *args, **kwargs)
+        # trainer.predict returns what one process would: each output's chunks gathered over the group.
+        return session.gather(output)
+
+    @override
+    @guarded
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        session, module = self._live(), self._lm
+        if session.pipeline is not None:
+            # The schedule ran every microbatch's backward in training_step: its gradients are added here.
+            backward_hooks_around(module.trainer, closure_loss, session.add_held_gradients)
+            return closure_loss
+        plugin = self.precision_plugin
+        closure_loss = plugin.pre_backward(closure_loss, module)
+        session.backward(
+            closure_loss,
+            manual=not module.automatic_optimization,
+            plain=lambda loss: plugin.backward(loss, module, optimizer, *args, **kwargs),
+        )
+        return plugin.post_backward(closure_loss, module)
+
+    @override
+    @guarded
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        session, module = self._live(), self._lm
+        if session.engine.owns_step:
+            result = closure()
+            self.precision_plugin._after_closure(module, optimizer)
+            session.engine_step(optimizer)
+            return result
+        if session.guard is not None:
+            result = closure()
+            if session.skips(result, optimizer):
+                report_skip(module.trainer, session.skipped_steps, self.is_global_zero)
+                return None
+            closure = lambda: result  # noqa: E731  (the closure ran once already)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not module.automatic_optimization:
+            session.after_manual_step()
+        return result
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because of non-finite values (``skip_nonfinite=True``)."""
+        return 0 if self._session is None else self._session.skipped_steps
+
+    @property
+    def recompiles(self) -> int:
+        """``compile=...``: blocks dynamo compiled again after their first graph, since set-up, on this rank."""
+        return 0 if self._session is None else self._session.recompiles
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        warn_recompiles(self.recompiles)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._session is None:
+            yield
+            return
+        with self._session.no_sync():
+            yield
+
+    # --- checkpoints: the session's engine writes and reads every kind --------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._live().model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self._live().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint(), straight into the sharded layout
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in load_checkpoint()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
+            )
+        if self.refuse_write_after_failure(filepath):
+            return
+        exception = interrupted(self.lightning_module)
+        self._save_checkpoint(checkpoint, filepath, exception=exception)
+        if exception:
+            self.engine.wait_for_checkpoints()
+
+    @guarded
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
+        location = self._checkpoint_location(filepath, "save_checkpoint(filepath)")
+        self._live().save(self.optimizers, checkpoint, location, exception=exception)
+
+    def _checkpoint_location(self, filepath: Any, argument: str) -> Location:
+        """The one checkpoint every rank writes into or reads: rank 0's path (a rank's own name for it, such
+        as a per-rank temporary directory, would split the checkpoint). A strategy whose ranks each keep
+        their own copy of the checkpoint overrides this (``lightning_shard.ray``)."""
+        return resolve(self.broadcast(str(filepath)), argument)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.engine.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
+
+    @override
+    @guarded
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = follow_alias(self._checkpoint_location(checkpoint_path, "ckpt_path"))
+        if weights_only is None:
+            # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            weights_only = getattr(trainer, trainer_compat.WEIGHTS_ONLY_ATTR, None)
+        checkpoint = self._live().load(self.optimizers, path, weights_only, "ShardStrategy", "ckpt_path")
+        return with_module_state(checkpoint, self._lm, self.config.engine)
+
+
+trainer_compat.resolve_last_checkpoint(partial(last_on_object_stores, ShardStrategy))

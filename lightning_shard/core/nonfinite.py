@@ -8,17 +8,13 @@ stopping it with a clear error beats spending the cluster on no-op steps.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_shard.memory import local_tensor
-
-log = logging.getLogger(__name__)
 
 
 class NonFiniteGuard:
@@ -53,15 +49,3 @@ class NonFiniteGuard:
                 " raise max_skipped."
             )
         return True
-
-    def report(self, trainer: Any, is_global_zero: bool) -> None:
-        """Warn about a skipped step and log the running count as ``shard/skipped_steps``."""
-        log.warning(
-            "ShardStrategy: non-finite loss or gradient at step %d; skipped the optimizer step on all ranks"
-            " (%d skipped so far).",
-            trainer.global_step,
-            self.total,
-        )
-        if is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({"shard/skipped_steps": float(self.total)}, step=trainer.global_step)
