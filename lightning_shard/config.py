@@ -107,6 +107,7 @@ class ShardConfig(ShardFlags):
         )
         _ddp.check(ddp_kwargs or {}, stage, engine_name)
         _check_context_parallel(flags.context_parallel_size, flags.context_parallel_method)
+        _check_expert_parallel(flags, stage, engine_name)
         _check_tiling(flags.tiled_mlp, flags.tiled_loss, flags.pipeline_parallel_size)
         compile_kwargs = check_compile(flags.compile, engine_name)
         fp8 = check_fp8(flags.fp8, engine_name, stage, flags.tensor_parallel_size)
@@ -234,6 +235,43 @@ def _check_context_parallel(size: Any, method: Any) -> None:
             raise ValueError(
                 f"ShardStrategy(context_parallel_method={method!r}) is only used with context_parallel_size > 1"
                 " (got 1). Set context_parallel_size, or drop context_parallel_method."
+            )
+
+
+def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
+    size, plan = flags.expert_parallel_size, flags.expert_parallel_plan
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"ShardStrategy(expert_parallel_size={size!r}) must be an integer >= 1 (1: off): the ranks each"
+            " experts module's experts are split over."
+        )
+    if plan is not None and (
+        not isinstance(plan, dict) or not plan or not all(isinstance(k, str) for k in plan)
+    ):
+        raise ValueError(
+            f"ShardStrategy(expert_parallel_plan={plan!r}) must be a non-empty dict of module-name patterns to"
+            " 'experts', e.g. {'blocks.*.moe.experts': 'experts'}."
+        )
+    if size == 1:
+        if plan is not None:
+            raise ValueError(
+                "ShardStrategy(expert_parallel_plan=...) is read only with expert_parallel_size > 1. Set"
+                " expert_parallel_size, or drop the plan."
+            )
+        return
+    limits = {
+        "engine='deepspeed'": engine == "deepspeed",
+        "stage='auto'": stage == "auto",
+        "stage=1": stage == 1,
+        f"tensor_parallel_size={flags.tensor_parallel_size}": flags.tensor_parallel_size > 1,
+        "gradient_compression": flags.gradient_compression is not None,
+    }
+    for flag, hit in limits.items():
+        if hit:
+            raise ValueError(
+                f"ShardStrategy(expert_parallel_size={size}, {flag}) is not available: expert parallelism runs on"
+                " the FSDP2 engine at stages 0, 2 and 3, without tensor parallelism or gradient compression"
+                " (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2 or 3, or expert_parallel_size=1."
             )
 
 

@@ -195,6 +195,20 @@ class ShardFlags:
         " attention, CUDA only).",
         "context_parallel/attention.py",
     )
+    expert_parallel_size: int = _flag(
+        1,
+        "mixture-of-experts models: each of this many ranks holds E / size whole experts of every experts"
+        " module, and tokens travel to their experts and back by all-to-all (a mesh dimension carved from the"
+        " data-parallel shard one, as torchtitan's; the ranks left shard or replicate each expert block);"
+        " docs/expert_parallel.md.",
+        "parallel/mesh.py, core/process_groups.py, core/transform.py",
+    )
+    expert_parallel_plan: dict[str, str] | None = _flag(
+        None,
+        "module-name pattern (``'blocks.*.moe.experts'``) -> ``'experts'`` (a module holding 3-D expert weights"
+        " ``[E, ...]``); ``None`` uses the plan a Hugging Face model carries (``config.base_model_ep_plan``).",
+        "core/transform.py, expert_parallel/apply.py",
+    )
     tiled_mlp: bool | int = _flag(
         False,
         "``True`` or a number of sequence positions: run each MLP (modules named ``mlp`` / ``feed_forward`` /"

@@ -192,6 +192,72 @@ def tiny_llama_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
     return transformers.LlamaConfig(**(kwargs | overrides))
 
 
+#: The Hugging Face mixture-of-experts families expert parallelism splits through their own plan.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "olmoe", "gpt_oss", "deepseek_v3")
+
+
+def tiny_moe(family: str, experts: int = 4, top_k: int = 2, vocab_size: int = VOCAB) -> Any:
+    """A tiny Hugging Face mixture-of-experts causal LM of ``family`` (``MOE_FAMILIES``), built from its config
+    class with tiny sizes and its defaults otherwise (no download), fp32, the router's aux loss on."""
+    import transformers as t
+
+    common: dict[str, Any] = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        num_experts_per_tok=top_k,
+    )
+    aux: dict[str, Any] = dict(output_router_logits=True, router_aux_loss_coef=0.05)
+    qwen3: dict[str, Any] = dict(
+        intermediate_size=64, moe_intermediate_size=64, num_experts=experts, **aux, **common
+    )
+    built: dict[str, Any] = {
+        "mixtral": lambda: t.MixtralForCausalLM(
+            t.MixtralConfig(intermediate_size=64, num_local_experts=experts, **aux, **common)
+        ),
+        "qwen3_moe": lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**qwen3)),  # norm_topk_prob=False
+        "qwen3_moe_norm_topk": lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(norm_topk_prob=True, **qwen3)),
+        "olmoe": lambda: t.OlmoeForCausalLM(
+            t.OlmoeConfig(intermediate_size=64, num_experts=experts, **aux, **common)
+        ),
+        "gpt_oss": lambda: t.GptOssForCausalLM(
+            t.GptOssConfig(
+                intermediate_size=32,
+                num_local_experts=experts,
+                head_dim=8,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                **aux,
+                **common,
+            )
+        ),
+        # Group routing (2 groups of 2 experts, 1 group per token), a shared expert, a dense first layer.
+        "deepseek_v3": lambda: t.DeepseekV3ForCausalLM(
+            t.DeepseekV3Config(
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                n_routed_experts=experts,
+                n_group=2,
+                topk_group=1,
+                first_k_dense_replace=1,
+                n_shared_experts=1,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                **{**common, "num_key_value_heads": 4},
+            )
+        ),
+    }
+    torch.manual_seed(0)
+    return built[family]().float()
+
+
 class CausalLM(L.LightningModule):
     """A Hugging Face causal LM held as ``self.model`` (its file keys lack the ``model.`` prefix), trained
     with plain SGD (lr 0.5, gradient-scale sensitive) or AdamW; built in ``configure_model`` on request."""

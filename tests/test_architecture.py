@@ -239,3 +239,20 @@ def test_the_docs_flag_table_is_the_one_derived_from_the_flags():
 
 if __name__ == "__main__":  # run by _trainer_code_reached_in on a copy of the package
     print(json.dumps(trainer_code_reached(sys.argv[1])))
+
+
+def test_each_door_is_one_class_over_the_core_process_side():
+    # Inheritance only where the frameworks require it: each door subclasses its framework's ParallelStrategy,
+    # with the core's ProcessGroups (what both ParallelStrategy bases leave to a subclass) as its one base of
+    # ours; every step is the session's (lightning_shard.core.Session), forwarded from the door's hooks.
+    from lightning_shard import ShardFabricStrategy, ShardStrategy
+    from lightning_shard.core import ProcessGroups
+
+    for door in (ShardStrategy, ShardFabricStrategy):
+        own = [c for c in door.__mro__ if c.__module__.startswith("lightning_shard")]
+        assert own == [door, ProcessGroups], own
+
+
+def test_the_config_narrows_the_flags_without_silencing_the_type_checker():
+    # ShardConfig re-declares only fields whose resolved type is a subtype of the flag's (mypy checks it in CI).
+    assert "type: ignore" not in (ROOT / "lightning_shard" / "config.py").read_text()

@@ -726,3 +726,26 @@ def test_docs_throughput_example_runs(monkeypatch: pytest.MonkeyPatch):
     # Lightning's default window (100 batches) is longer than this run: what it was given is checked.
     assert monitor.available_flops == 1e12
     assert seen.train == [analytic_model_flops(BATCH * SEQ)] * 3
+
+
+def test_grouped_gemm_flops_equal_the_loop_of_matmuls_they_replace():
+    # Expert parallelism's local experts run torch's grouped GEMM where it runs: its FLOPs are counted (torch's
+    # registry lacks them), forward and backward, as the loop of matmuls over the same rows counts them.
+    from lightning_shard.callbacks._flops import StepFlopCounter
+    from lightning_shard.expert_parallel.grouped import grouped_linear, grouped_mm_runs
+
+    rows = torch.randn(8, 16, requires_grad=True)
+    weight = torch.randn(2, 32, 16, requires_grad=True)
+    if not grouped_mm_runs(rows, weight):
+        pytest.skip("torch's grouped GEMM does not run for this device and dtype here")
+    counts = {}
+    for mode in ("grouped_mm", "loop"):
+        counter = StepFlopCounter()
+        with counter:
+            grouped_linear(rows, weight, [3, 5], mode=mode).sum().backward()
+        counts[mode] = dict(counter.by_phase)
+    assert (
+        counts["grouped_mm"]
+        == counts["loop"]
+        == {"forward": 2 * 8 * 16 * 32, "backward": 4 * 8 * 16 * 32, "recompute": 0}
+    )

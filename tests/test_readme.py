@@ -181,6 +181,32 @@ def test_more_than_one_dimension_command_runs(tmp_path):
     assert (tmp_path / "outputs/tp2_zero3/checkpoints/last.ckpt/.metadata").is_file()
 
 
+@pytest.mark.multirank
+def test_expert_parallel_command_runs(tmp_path):
+    section = README.split("## Mixture-of-experts models", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in section.splitlines() if line.startswith("python examples/")]
+    assert commands == ["python examples/train_gpt.py fit --config configs/moe_ep.yaml"]
+    out = _train_gpt(tmp_path, shlex.split(commands[0]), max_steps=2)
+    assert (tmp_path / "outputs/moe_ep/checkpoints/last.ckpt/.metadata").is_file()
+    assert "MFU:" in out
+
+
+def test_expert_parallel_config_parses():
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_shard import ShardStrategy
+    from lightning_shard.demos import GPTModule, TextDataModule
+
+    cli = LightningCLI(
+        GPTModule,
+        TextDataModule,
+        run=False,
+        args=["--config", str(ROOT / "configs/moe_ep.yaml"), "--trainer.logger=false"],
+    )
+    assert isinstance(cli.trainer.strategy, ShardStrategy)
+    assert cli.trainer.strategy.config.expert_parallel_size == 2 and cli.model.hparams["n_experts"] == 8
+
+
 def test_plan_commands_in_readme_run(capsys):
     from lightning_shard.cli import main
 

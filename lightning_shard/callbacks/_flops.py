@@ -83,6 +83,26 @@ def _raw(formula: Callable[..., int]) -> Callable[..., int]:
 CPU_ATTENTION_FLOPS = _cpu_attention_formulas()
 
 
+def _grouped_mm_flops(mat_a: Any, mat_b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """``aten._grouped_mm`` (expert parallelism's local experts), which torch's registry lacks: each row of one
+    operand meets one group's matrix, so the FLOPs are ``2 x rows x contracted x columns`` over the groups."""
+    a, b = tuple(mat_a.shape), tuple(mat_b.shape)
+    if len(a) == 2 and len(b) == 3:  # rows grouped, one [K, N] per group: [R, K] x [G, K, N]
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # the contraction grouped (a weight's gradient): [M, K] x [K, N]
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 3:  # batched: [G, M, K] x [G, K, N]
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[1] * a[2] * b[1]  # columns grouped: [G, M, K] x [K, N]
+
+
+_grouped_mm_flops._get_raw = True  # type: ignore[attr-defined]
+#: Expert parallelism's grouped GEMM; without it the experts' FLOPs count 0 where it runs.
+GROUPED_MM_FLOPS: dict[Any, Callable[..., int]] = (
+    {torch.ops.aten._grouped_mm: _grouped_mm_flops} if hasattr(torch.ops.aten, "_grouped_mm") else {}
+)
+
+
 class _GlobalOnly:
     """Stands in for ``FlopCounterMode``'s module tracker: every count goes to ``"Global"`` alone."""
 
@@ -110,7 +130,7 @@ class StepFlopCounter(FlopCounterMode):
 
     def __init__(self) -> None:
         self.by_phase: dict[Phase, int] = {"forward": 0, "backward": 0, "recompute": 0}
-        registry = {**flop_registry, **CPU_ATTENTION_FLOPS}
+        registry = {**flop_registry, **CPU_ATTENTION_FLOPS, **GROUPED_MM_FLOPS}
         super().__init__(
             display=False, custom_mapping={op: self._tagged(op, f) for op, f in registry.items()}
         )

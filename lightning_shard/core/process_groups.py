@@ -75,6 +75,7 @@ class ProcessGroups:
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._context_parallel: ContextParallel | None = None
+        self._expert_mesh: Any = None  # expert parallelism's (pp, replicate, edp, ep, tp) mesh
         self._requested_backend = self.config.process_group_backend
         self._process_group_backend: str | None = self._requested_backend
         self._device_mesh: Any = None
@@ -149,14 +150,15 @@ class ProcessGroups:
         return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
 
     @property
-    def _mesh_sizes(self) -> tuple[int, int, int, int]:
-        """``(replicate, tensor-parallel, pipeline, context-parallel)`` sizes, from the flags."""
+    def _mesh_sizes(self) -> tuple[int, int, int, int, int]:
+        """``(replicate, tensor-parallel, pipeline, context-parallel, expert-parallel)`` sizes, from the flags."""
         config = self.config
         return (
             config.replicate_size,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
             config.context_parallel_size,
+            config.expert_parallel_size,
         )
 
     @property
@@ -229,6 +231,7 @@ class ProcessGroups:
                 self._groups_before = set(_compat.live_process_groups())
             self._device_mesh = self.layout.build(self.root_device.type)
             self._context_parallel = self._build_context_parallel()
+            self._expert_mesh = self.layout.build_expert(self.root_device.type)
             self._mesh_generation = world_generation()
         self._live_key = join_live(self, self._live_key)
         self.apply_timeout()
@@ -248,6 +251,7 @@ class ProcessGroups:
             mesh=data_parallel_mesh(self.device_mesh),
             tp_mesh=tensor_parallel_mesh(self.device_mesh),
             world_mesh=self.device_mesh,
+            expert_mesh=self._expert_mesh,
             global_rank=self.global_rank,
             world_size=self.world_size,
             backend=str(self.process_group_backend),
@@ -281,6 +285,7 @@ class ProcessGroups:
         )
         self._device_mesh = None
         self._context_parallel = None
+        self._expert_mesh = None
 
     @property
     def pipeline_stage(self) -> int | None:

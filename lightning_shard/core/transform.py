@@ -14,7 +14,8 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
 3. the engine (:mod:`lightning_shard.engines`) is built for the config as now resolved and checks the
    module; then, each a free function below: the precision conversion (``bf16-true``), fp8 (torchao's
    ``Float8Linear``), tensor parallelism, ``torch.compile`` per block (torchtitan's order: the plan splits the
-   float8 layers, compile sees the casts and the split, sharding wraps what compile made);
+   float8 layers, compile sees the casts and the split, sharding wraps what compile made), with expert
+   parallelism right after tensor parallelism (each rank keeps its own experts);
 4. the engine's one data-parallel wrap: FSDP2 (or FSDP2's ``replicate()``, DDP, ZeRO-1's optimizer at stages
    0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine allocates and hands
    the module to ``deepspeed.initialize`` with its optimizer;
@@ -47,7 +48,9 @@ from lightning_shard.context_parallel import ContextParallel, apply_context_para
 from lightning_shard.core.process_groups import ProcessGroups, pipeline_rank
 from lightning_shard.core.session import Session
 from lightning_shard.engines import Engine, engine_class
+from lightning_shard.expert_parallel import apply_expert_parallel
 from lightning_shard.parallel import apply_tensor_parallel, clip_grad_norm_
+from lightning_shard.parallel.mesh import expert_meshes
 from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
 from lightning_shard.pipeline.runner import Tie
 from lightning_shard.pipeline.split import StagePlan
@@ -62,6 +65,7 @@ _STAGE = "_lightning_shard_pipeline_stage"
 _BLOCKS = "_lightning_shard_block_classes"
 _CHECKPOINTED = "_lightning_shard_checkpointed"
 _TP_APPLIED = "_lightning_shard_tensor_parallel"
+_EP_APPLIED = "_lightning_shard_expert_parallel"
 _WEIGHTS = "_lightning_shard_weights_loaded"
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -110,6 +114,7 @@ def prepare(
     module = apply_precision(module, precision)
     apply_fp8(module, config)
     apply_tensor_parallel_once(module, run.tp_mesh, config)
+    apply_expert_parallel_once(module, run.expert_mesh, config)
     apply_compile(module, config, engine)
     # 4. The engine's one data-parallel wrap, and the allocation from meta.
     model = engine.setup_module(module)
@@ -163,6 +168,21 @@ def apply_tensor_parallel_once(module: nn.Module, tp_mesh: Any, config: ShardCon
     log.info("ShardStrategy: tensor parallel over %d ranks: %s", tp_mesh.size(), plan)
 
 
+def apply_expert_parallel_once(module: nn.Module, expert_mesh: Any, config: ShardConfig) -> None:
+    """``expert_parallel_size > 1``: each rank keeps its ``E/ep`` experts of every experts module, before compile
+    and the data-parallel wrap (which shards each expert block over the ranks left). The experts' gradients are
+    scaled by ``1/ep``: their local gradient sums the tokens of the whole expert-parallel group, and the
+    data-parallel reduction over the ranks left then gives the mean over every rank's batch. Once per module."""
+    if expert_mesh is None or getattr(module, _EP_APPLIED, False):
+        return
+    ep_mesh, _ = expert_meshes(expert_mesh)
+    shards = apply_expert_parallel(
+        module, ep_mesh, config.expert_parallel_plan, gradient_scale=1.0 / ep_mesh.size()
+    )
+    setattr(module, _EP_APPLIED, True)
+    log.info("ShardStrategy: expert parallel over %d ranks: %s", ep_mesh.size(), sorted(shards))
+
+
 def apply_compile(module: nn.Module, config: ShardConfig, engine: Engine) -> None:
     """``compile=...``: each repeated block compiled after tensor parallelism and checkpointing, before the
     data-parallel wrap (at DeepSpeed's ZeRO-3 each block a leaf, gathered whole outside the graph)."""
@@ -179,7 +199,7 @@ def prepare_precision(precision: PrecisionPolicy, processes: ProcessGroups) -> N
     """The precision policy on this rank's device (its loss scaler agrees over every rank), clipping by one
     norm over every mesh where parameters live on several ((dp, tp) and dp, or pipeline stages)."""
     precision.setup_device(processes.root_device, None)
-    if processes.layout.multi_dimensional:
+    if processes.layout.multi_dimensional or processes.layout.ep > 1:
         precision.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=processes.layout.pp)
 
 

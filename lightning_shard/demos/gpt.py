@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_shard.demos.moe import MoE
 from lightning_shard.tiling import mean_cross_entropy
 
 _SUBJECTS = ["the miller", "a sailor", "the old king", "my sister", "the river", "a grey fox", "the clerk"]
@@ -106,14 +107,20 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (a mixture of experts with ``n_experts``)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float, n_experts: int = 0, top_k: int = 2
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, dropout)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp: nn.Module = (
+            MoE(d_model, n_experts, top_k, 2 * d_model)
+            if n_experts
+            else nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        )
         self.drop = nn.Dropout(dropout)
 
     @override
@@ -134,6 +141,8 @@ class GPT(nn.Module):
         "blocks.*.mlp.0": "colwise",
         "blocks.*.mlp.2": "rowwise",
     }
+    #: What ``ShardStrategy(expert_parallel_size=E)`` splits when no plan is given (the MoE variant's experts).
+    expert_parallel_plan = {"blocks.*.mlp.experts": "experts"}
 
     def __init__(
         self,
@@ -144,11 +153,15 @@ class GPT(nn.Module):
         n_heads: int = 4,
         dropout: float = 0.0,
         tie_embeddings: bool = True,
+        n_experts: int = 0,
+        top_k: int = 2,
     ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, dropout, n_experts, top_k) for _ in range(n_layers)
+        )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:  # pipeline stages keep a copy each, their gradients summed (docs/pipeline.md)
@@ -161,6 +174,9 @@ class GPT(nn.Module):
     def init_weights(self) -> None:
         """GPT-2's initialisation; also run on allocated shards after meta-device construction."""
         for module in self.modules():
+            if isinstance(module, MoE):
+                nn.init.normal_(module.experts.gate_up_proj, std=0.02)
+                nn.init.normal_(module.experts.down_proj, std=0.02 / math.sqrt(2 * self.n_layers))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
@@ -195,6 +211,15 @@ class GPT(nn.Module):
             return mean_cross_entropy(self.ln_f(x), self.head, labels, self.loss_tile)
         return self.head(self.ln_f(x))  # (b, t, vocab)
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """The MoE blocks' load-balancing losses of the last forward, summed (``None``: a dense model)."""
+        losses = [
+            b.mlp.aux_loss
+            for b in self.blocks
+            if b is not None and isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
+
 
 class GPTModule(L.LightningModule):
     """Next-byte prediction with AdamW and a cosine schedule; a plain LightningModule."""
@@ -211,10 +236,15 @@ class GPTModule(L.LightningModule):
         weight_decay: float = 0.1,
         max_steps: int = 1000,
         tie_embeddings: bool = True,
+        n_experts: int = 0,
+        top_k: int = 2,
+        aux_loss_coef: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(vocab_size, seq_len, d_model, n_layers, n_heads, dropout, tie_embeddings)
+        self.model = GPT(
+            vocab_size, seq_len, d_model, n_layers, n_heads, dropout, tie_embeddings, n_experts, top_k
+        )
 
     def init_weights(self) -> None:
         """ShardStrategy runs this after allocating a model built on the meta device
@@ -232,7 +262,8 @@ class GPTModule(L.LightningModule):
         # tile, so the logits are never whole; otherwise the loss is pipeline_loss's, as with stages.
         loss = self.model(x, labels=y) if self.model.loss_tile else self.pipeline_loss(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
-        return loss
+        aux = self.model.aux_loss()  # the MoE variant: its routers' load balance, on this rank's tokens
+        return loss if aux is None else loss + self.hparams["aux_loss_coef"] * aux
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy; with pipeline stages, the last stage's loss per microbatch."""

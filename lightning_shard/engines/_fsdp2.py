@@ -37,9 +37,19 @@ class ForwardRedirection(DDPForwardRedirection):
 
 
 def fully_shard_model(
-    module: nn.Module, config: Any, mesh: Any, mp_policy: Any, stage: int, group: bool
+    module: nn.Module,
+    config: Any,
+    mesh: Any,
+    mp_policy: Any,
+    stage: int,
+    group: bool,
+    experts: tuple[list[nn.Module], Any] | None = None,
 ) -> nn.Module:
-    """Shard ``module``'s repeated blocks (packed into units up to 25 MB with ``group``), then the root."""
+    """Shard ``module``'s repeated blocks (packed into units up to 25 MB with ``group``), then the root.
+
+    ``experts``: the experts modules expert parallelism split, and the mesh of the ranks left to shard each
+    rank's expert block over; each is a sharding unit of its own, first (FSDP2 shards children before parents).
+    """
     if isinstance(module, FSDPModule):
         # Sharded by an earlier setup of the same Trainer (fit, then validate / test / predict):
         # fully_shard may be applied once per module, and the shards already hold the weights. An
@@ -70,7 +80,11 @@ def fully_shard_model(
         "mp_policy": mp_policy,
         "offload_policy": offload_policy(config, mesh.device_type),
     }
-    units = [fully_shard(u if len(u) > 1 else u[0], **kwargs) for u in sharding_units(blocks, group=group)]
+    units: list[Any] = []
+    if experts is not None:
+        modules, expert_mesh = experts
+        units += [fully_shard(m, **{**kwargs, "mesh": expert_mesh}) for m in modules]
+    units += [fully_shard(u if len(u) > 1 else u[0], **kwargs) for u in sharding_units(blocks, group=group)]
     # The root's parameters are needed again as soon as backward starts: resharding them after
     # forward only buys a second all-gather (FSDP2's own default for the root).
     units.append(fully_shard(module, **{**kwargs, "reshard_after_forward": False}))

@@ -65,6 +65,9 @@ class RunContext:
     """The tensor-parallel ``DeviceMesh`` (``None``: tensor parallelism off)."""
     world_mesh: Any = None
     """The whole mesh (``(replicate, shard, tp)``, or the 1-D data-parallel one)."""
+    expert_mesh: Any = None
+    """The expert mesh ``(pp, replicate, edp, ep, tp)`` over the same ranks (``None``: expert parallelism off):
+    the experts are DTensors on its ``ep`` dimension and are sharded over the rest (``parallel.mesh``)."""
 
     @property
     def is_global_zero(self) -> bool:

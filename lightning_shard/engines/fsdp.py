@@ -48,7 +48,9 @@ from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
+from lightning_shard.expert_parallel import expert_modules
 from lightning_shard.memory import model_state_bytes
+from lightning_shard.parallel.mesh import expert_meshes
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,10 @@ class FSDPEngine(Engine):
         if isinstance(module, FSDPModule):  # an earlier Trainer call's: point it at this call's groups
             _compat.refresh_fsdp_groups(module)
             return module
+        experts = self._experts(module)
+        if experts is not None:  # each expert block replicated over the ranks left, before the rest
+            for unit in experts[0]:
+                replicate(unit, mesh=experts[1], mp_policy=self.precision.fsdp_mp_policy())
         replicate(module, mesh=self.mesh, mp_policy=self.precision.fsdp_mp_policy())
         return module
 
@@ -150,7 +156,15 @@ class FSDPEngine(Engine):
             self.precision.fsdp_mp_policy(),
             self.stage,
             group=self.stage == 2 and plain,
+            experts=self._experts(module),
         )
+
+    def _experts(self, module: nn.Module) -> tuple[list[nn.Module], Any] | None:
+        """Expert parallelism: the experts modules, and the mesh their blocks are sharded or replicated over."""
+        if self.run.expert_mesh is None:
+            return None
+        _, data = expert_meshes(self.run.expert_mesh)
+        return expert_modules(module), data
 
     def _ddp(self, module: nn.Module) -> nn.Module:
         device = self.mesh.device_type
@@ -204,7 +218,11 @@ class FSDPEngine(Engine):
     def _replicates(self) -> bool:
         """Stage 0 runs on FSDP2's replicate() rather than DDP: with tensor parallelism (DTensor parameters)
         and with pipeline stages (DDP's reducer cannot follow a schedule's backward per microbatch)."""
-        return self.run.tp_mesh is not None or self.config.pipeline_parallel_size > 1
+        return (
+            self.run.tp_mesh is not None
+            or self.config.pipeline_parallel_size > 1
+            or self.run.expert_mesh is not None
+        )
 
     def post_backward(self, model: nn.Module, manual: bool) -> None:
         if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):

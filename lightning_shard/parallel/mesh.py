@@ -12,6 +12,13 @@ cp x tp``. The ``cp`` ranks of a group hold the same model and read the same bat
 them as data-parallel ranks: the mesh's ``shard`` dimension (or its one ``dp`` dimension) spans ``shard x
 cp``, as torchtitan shards over its flattened ``dp_shard_cp``; the groups that cut a sequence are a second
 mesh (:meth:`MeshLayout.build_context_parallel`).
+
+Expert parallelism (``ep`` ranks each hold ``E/ep`` whole experts) is carved from that shard dimension, as
+torchtitan carves its ``ep`` from ``dp_shard x cp``: consecutive runs of ``ep`` ranks along it are the
+expert-parallel groups, and the ranks left (``shard x cp / ep``, times ``replicate``) shard or replicate each
+expert block. They are a second mesh, ``(pp, replicate, edp, ep, tp)`` over the same ranks
+(:meth:`MeshLayout.build_expert`): the experts are DTensors on its ``ep`` dimension, and FSDP2 shards them over
+its ``edp`` (and ``replicate``) dimensions, one root mesh for both as FSDP2 requires.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 DIMS = ("replicate", "shard", "tp")
 PIPELINE_DIMS = ("pp", *DIMS)
+#: The expert mesh's dimensions: ``edp`` x ``ep`` spans the main mesh's shard dimension.
+EXPERT_DIMS = ("pp", "replicate", "edp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class MeshLayout:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Ranks of one expert-parallel group, inside the mesh's shard dimension (``shard x cp``)."""
 
     @classmethod
     def for_world(
@@ -45,6 +56,7 @@ class MeshLayout:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> MeshLayout:
         """The layout of ``world_size`` ranks, or a ``ValueError`` naming the flag that does not divide it."""
         check_pipeline_world(world_size, pipeline_parallel_size)
@@ -54,7 +66,15 @@ class MeshLayout:
             stage_world // tensor_parallel_size, replicate_size, context_parallel_size
         )
         shard = stage_world // (replicate_size * tensor_parallel_size * context_parallel_size)
-        return cls(replicate_size, shard, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+        check_expert_parallel_world(shard * context_parallel_size, expert_parallel_size)
+        return cls(
+            replicate_size,
+            shard,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            context_parallel_size,
+            expert_parallel_size,
+        )
 
     @property
     def world_size(self) -> int:
@@ -84,6 +104,14 @@ class MeshLayout:
             return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
         return init_device_mesh(device_type, (self.replicate, shard, self.tp), mesh_dim_names=DIMS)
 
+    def build_expert(self, device_type: str) -> Any:
+        """The ``(pp, replicate, edp, ep, tp)`` mesh over every rank (a collective: every rank calls it), or
+        ``None`` when ``ep`` is 1. Its ``ep`` groups are consecutive runs of the main mesh's shard dimension."""
+        if self.ep == 1:
+            return None
+        sizes = (self.pp, self.replicate, self.shard * self.cp // self.ep, self.ep, self.tp)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_DIMS)
+
     def build_context_parallel(self, device_type: str) -> Any:
         """The 1-D mesh of this rank's context-parallel group (a collective: every rank calls it), or ``None``
         when ``cp`` is 1. A group is ``cp`` ranks ``tp`` apart, at one place on every other dimension."""
@@ -102,6 +130,14 @@ def data_parallel_mesh(mesh: Any) -> Any:
     if mesh["replicate"].size() > 1:
         return mesh["replicate", "shard"]
     return mesh["shard"]
+
+
+def expert_meshes(mesh: Any) -> tuple[Any, Any]:
+    """``(ep, data-parallel)`` sub-meshes of the expert mesh (:meth:`MeshLayout.build_expert`): the experts'
+    DTensor dimension, and the one FSDP2 shards (or replicates) each expert block over: ``edp``, or
+    ``(replicate, edp)`` (HSDP)."""
+    data = mesh["replicate", "edp"] if mesh["replicate"].size() > 1 else mesh["edp"]
+    return mesh["ep"], data
 
 
 def tensor_parallel_mesh(mesh: Any) -> Any | None:
@@ -142,6 +178,18 @@ def check_context_parallel_world(ranks: int, replicate_size: int, context_parall
         )
 
 
+def check_expert_parallel_world(ranks: int, expert_parallel_size: int) -> None:
+    """``expert_parallel_size`` must divide the ``ranks`` of the mesh's shard dimension (``shard x cp``)."""
+    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int):
+        raise ValueError(f"ShardStrategy(expert_parallel_size={expert_parallel_size!r}) must be an integer.")
+    if ranks % expert_parallel_size:
+        raise ValueError(
+            f"ShardStrategy(expert_parallel_size={expert_parallel_size}) does not divide the {ranks} data-parallel"
+            " ranks that shard each replica (world size / tensor_parallel_size / pipeline_parallel_size /"
+            f" replicate_size, context-parallel ranks included). Use an expert_parallel_size that divides {ranks}."
+        )
+
+
 def check_world(
     world_size: int,
     replicate_size: int,
@@ -171,12 +219,15 @@ def check_world(
 
 __all__ = [
     "DIMS",
+    "EXPERT_DIMS",
     "PIPELINE_DIMS",
     "MeshLayout",
     "check_context_parallel_world",
+    "check_expert_parallel_world",
     "check_pipeline_world",
     "check_world",
     "data_parallel_mesh",
+    "expert_meshes",
     "pipeline_mesh",
     "tensor_parallel_mesh",
 ]

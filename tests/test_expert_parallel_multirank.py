@@ -1,0 +1,301 @@
+"""``ShardStrategy(expert_parallel_size=...)`` on a Hugging Face mixture-of-experts model, side by side with
+Lightning's ``DDPStrategy`` on the same ranks and data: the same losses and weights at every stage it serves,
+while each rank holds only its own experts and the tokens cross ranks to reach them.
+
+Plain SGD (lr 0.5) with clipping on: an expert gradient ``ep`` times off (the data-parallel mean taken over the
+wrong ranks), an expert counted twice in the clip norm, or a token sent to the wrong expert moves the losses far
+beyond the tolerance. The router's auxiliary loss is part of the loss, computed on each rank's own tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.expert_parallel import expert_shards
+from tests.helpers import VOCAB, LossRecorder, full_weights, loader, tiny_moe, trainer_kwargs
+
+pytestmark = pytest.mark.multirank
+
+EXPERTS = 4
+STEPS = 3
+CLIP = 0.5
+
+
+class MoELM(L.LightningModule):
+    """A tiny Hugging Face MoE model (its defaults left on), the router's auxiliary loss in the training loss;
+    plain SGD (gradient-scale sensitive) or AdamW."""
+
+    def __init__(self, family: str = "mixtral", optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.model = tiny_moe(family, experts=EXPERTS)
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.model(input_ids=x)
+        ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
+        return ce + self.model.router_aux_loss_coef * out.aux_loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+#: (family, optimizer, accumulate, {case name: ShardStrategy flags}): each case against DDPStrategy on the same
+#: ranks, data and initial weights; clipping on and the router's aux loss in the loss throughout.
+Case = tuple[str, str, int, dict[str, dict[str, Any]]]
+
+
+def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int) -> dict[str, Any]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=world,
+        strategy=strategy,
+        callbacks=[recorder],
+        **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate),
+    )
+    module = MoELM(family, optimizer)
+    trainer.fit(module, loader(2))
+    shards = expert_shards(module)
+    held = {
+        name: tuple(p.to_local().shape)
+        for name, p in module.named_parameters()
+        if "experts" in name and isinstance(p, DTensor)
+    }
+    # Rows each rank's local experts computed in the last forward, by the rank that sent them.
+    received = {name: shard.received.sum(dim=1).tolist() for name, shard in shards.items()}
+    return {"losses": recorder.losses, "weights": full_weights(trainer), "held": held, "received": received}
+
+
+def _side_by_side(cases: list[Case]) -> list[dict[str, Any]]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    out = []
+    for family, optimizer, accumulate, runs in cases:
+        results = {
+            name: _fit(ShardStrategy(**flags), world, family, optimizer, accumulate)
+            for name, flags in runs.items()
+        }
+        results["ddp"] = _fit(DDPStrategy(), world, family, optimizer, accumulate)
+        out.append(results)
+    return out
+
+
+def _check(ranks: list[list[dict[str, Any]]], cases: list[Case]) -> None:
+    world = len(ranks)
+    for rank, per_case in enumerate(ranks):
+        for (family, optimizer, accumulate, runs), results in zip(cases, per_case, strict=True):
+            reference = results["ddp"]
+            assert (
+                not reference["held"] and not reference["received"]
+            )  # DDP: every expert whole on every rank
+            assert len(reference["losses"]) == STEPS * accumulate
+            for name, flags in runs.items():
+                run, where = (
+                    results[name],
+                    f"{family}, {optimizer}, accumulate {accumulate}, {name}, rank {rank}",
+                )
+                torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
+                # AdamW turns a last-bit difference in a near-zero gradient (another summation order) into a step
+                # of lr: its weights are compared at the suite's AdamW tolerance, SGD's tightly.
+                atol = 1e-6 if optimizer == "sgd" else 1e-4
+                for key, weight in reference["weights"].items():
+                    torch.testing.assert_close(
+                        run["weights"][key], weight, rtol=1e-5, atol=atol, msg=f"{where}: {key}"
+                    )
+                # Each rank holds E/ep experts of each experts weight (stage 0), or its share of them when FSDP2
+                # shards each block over the ranks left (stages 2-3: shard / ep of them; replicas hold copies).
+                ep, replicas = flags["expert_parallel_size"], flags.get("replicate_size", 1)
+                left = world // replicas // ep if flags["stage"] >= 2 else 1
+                assert run["held"] and {shape[0] for shape in run["held"].values()} == {
+                    EXPERTS // ep // left
+                }, where
+                # Tokens crossed ranks: each layer's local experts computed rows sent by every rank of the group.
+                assert len(run["received"]) == 2, run["received"]
+                for counts in run["received"].values():
+                    assert len(counts) == ep and all(c > 0 for c in counts), (where, counts)
+
+
+def _ep(stage: int, **flags: Any) -> dict[str, Any]:
+    return {"stage": stage, "expert_parallel_size": 2, **flags}
+
+
+TWO_RANKS: list[Case] = [
+    ("mixtral", "sgd", 1, {f"ep2 stage {s}": _ep(s) for s in (0, 2, 3)}),
+    ("qwen3_moe", "adamw", 2, {"ep2 stage 3": _ep(3), "ep2 stage 0": _ep(0)}),
+    ("qwen3_moe", "sgd", 2, {"ep2 stage 2": _ep(2)}),
+]
+FOUR_RANKS: list[Case] = [
+    ("mixtral", "sgd", 2, {"ep2 x dp2 stage 3": _ep(3), "ep2 x hsdp2 stage 2": _ep(2, replicate_size=2)}),
+    ("qwen3_moe", "adamw", 1, {"ep2 x dp2 stage 0": _ep(0)}),
+]
+
+
+def test_expert_parallel_over_the_world_matches_ddp_at_stages_0_2_3():
+    _check(run_ranks(_side_by_side, TWO_RANKS), TWO_RANKS)
+
+
+def test_expert_parallel_inside_four_ranks_matches_ddp_with_experts_sharded_over_the_ranks_left():
+    _check(run_ranks(_side_by_side, FOUR_RANKS, world_size=4), FOUR_RANKS)
+
+
+def _checkpoint_job(root: str) -> dict[str, Any]:
+    """A sharded checkpoint written under expert parallelism resumes without it, at another stage and under
+    another expert-parallel layout, and ``load_from_checkpoint`` gives the full weights; one written without it
+    resumes under it."""
+    world = int(os.environ["WORLD_SIZE"])
+    path = f"{root}/ep.ckpt"
+
+    def trainer(strategy: Any, steps: int) -> L.Trainer:
+        return L.Trainer(devices=world, strategy=strategy, **trainer_kwargs(max_steps=steps))
+
+    first = trainer(ShardStrategy(stage=3, expert_parallel_size=2), 2)
+    first.fit(MoELM(), loader(2))
+    first.save_checkpoint(path)
+    saved = full_weights(first)
+    loaded = {}
+    for name, strategy in {
+        "no ep, stage 2": ShardStrategy(stage=2),
+        "ep 2, stage 0": ShardStrategy(stage=0, expert_parallel_size=2),
+    }.items():
+        again = trainer(strategy, 2)  # the checkpoint's step: resumes, then stops at once
+        again.fit(MoELM(), loader(2), ckpt_path=path)
+        loaded[name] = full_weights(again)
+    one = MoELM.load_from_checkpoint(path, map_location="cpu")
+    # The other way: written without expert parallelism, resumed with it.
+    plain = trainer(ShardStrategy(stage=3), 2)
+    plain.fit(MoELM(), loader(2))
+    plain.save_checkpoint(f"{root}/plain.ckpt")
+    into_ep = trainer(ShardStrategy(stage=3, expert_parallel_size=2), 2)
+    into_ep.fit(MoELM(), loader(2), ckpt_path=f"{root}/plain.ckpt")
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "one": {k: v.float() for k, v in one.state_dict().items()},
+        "plain": full_weights(plain),
+        "into_ep": full_weights(into_ep),
+    }
+
+
+def test_a_sharded_checkpoint_reshards_between_expert_parallel_layouts(tmp_path):
+    for rank in run_ranks(_checkpoint_job, str(tmp_path)):
+        saved = rank["saved"]
+        for name, weights in [*rank["loaded"].items(), ("load_from_checkpoint", rank["one"])]:
+            assert weights.keys() == saved.keys(), name
+            for key, value in saved.items():
+                torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=f"{name}: {key}")
+        for key, value in rank["plain"].items():
+            torch.testing.assert_close(
+                rank["into_ep"][key], value, rtol=0, atol=0, msg=f"no ep -> ep2: {key}"
+            )
+
+
+DEMO = dict(vocab_size=VOCAB, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, max_steps=STEPS)
+
+
+def _demo_job(root: str) -> dict[str, Any]:
+    """The example GPT's MoE variant with its own AdamW and cosine schedule: built on the meta device and read
+    from a weights file (each rank its own experts' slices) under expert parallelism, whole under DDP; and the
+    same model in a Fabric loop."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard import ShardFabricStrategy
+    from lightning_shard.demos.gpt import GPTModule
+
+    world = int(os.environ["WORLD_SIZE"])
+    kwargs = dict(
+        vocab_size=VOCAB, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, max_steps=STEPS
+    )
+    torch.manual_seed(0)
+    path = f"{root}/init.pt"
+    if torch.distributed.is_initialized() is False and os.environ["RANK"] == "0":
+        torch.save(GPTModule(**kwargs).state_dict(), path)
+
+    def fit(strategy: Any, empty: bool) -> list[float]:
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=world, strategy=strategy, callbacks=[recorder], **trainer_kwargs(max_steps=STEPS)
+        )
+        with trainer.init_module(empty_init=empty):
+            module = GPTModule(**kwargs)
+        if not empty:
+            module.load_state_dict(torch.load(path))
+        trainer.fit(module, loader(2))
+        return recorder.losses
+
+    ep = fit(ShardStrategy(stage=3, expert_parallel_size=2, init_weights=path), empty=True)
+    ddp = fit(DDPStrategy(), empty=False)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ShardFabricStrategy(expert_parallel_size=2))
+    fabric.launch()
+    module = GPTModule(**kwargs)
+    module.load_state_dict(torch.load(path))
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+    held = [tuple(p.to_local().shape) for n, p in model.named_parameters() if "experts" in n]
+    return {"ep": ep, "ddp": ddp, "fabric_held": held}
+
+
+def test_the_demo_moe_gpt_from_meta_with_init_weights_matches_ddp_and_sets_up_in_fabric(tmp_path):
+    from lightning_shard.demos.gpt import GPTModule
+
+    torch.manual_seed(0)
+    torch.save(GPTModule(**DEMO).state_dict(), tmp_path / "init.pt")
+    for rank in run_ranks(_demo_job, str(tmp_path)):
+        torch.testing.assert_close(rank["ep"], rank["ddp"], rtol=1e-5, atol=0)
+        # 2 of the 4 experts on each rank (ep = the world: no rank left to shard a block over).
+        assert rank["fabric_held"] == [(2, 128, 32), (2, 32, 64)] * 2, rank["fabric_held"]
+
+
+def _composed_job(flags: dict[str, Any], batch: int) -> dict[str, Any]:
+    """The example GPT's MoE variant under another parallelism, with and without expert parallelism (plain SGD,
+    clipping on; the load-balancing loss off: pipeline stages take the loss from ``pipeline_loss`` alone)."""
+    from lightning_shard.demos.gpt import GPTModule
+
+    world = int(os.environ["WORLD_SIZE"])
+
+    def fit(strategy: ShardStrategy) -> dict[str, Any]:
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=world,
+            strategy=strategy,
+            callbacks=[recorder],
+            **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP),
+        )
+        torch.manual_seed(0)
+        module = GPTModule(**{**DEMO, "aux_loss_coef": 0.0})
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.5)  # type: ignore[method-assign]
+        trainer.fit(module, loader(batch))
+        held = [
+            (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+            for n, p in module.named_parameters()
+            if "experts" in n
+        ]
+        return {"losses": recorder.losses, "held": held}
+
+    return {
+        "ep": fit(ShardStrategy(stage=3, expert_parallel_size=2, **flags)),
+        "base": fit(ShardStrategy(stage=3, **flags)),
+    }
+
+
+@pytest.mark.parametrize(
+    "flags, world, batch",
+    [({"context_parallel_size": 2}, 2, 2), ({"pipeline_parallel_size": 2}, 4, 4)],
+    ids=["cp2 x ep2 on 2 ranks", "pp2 x ep2 on 4 ranks"],
+)
+def test_expert_parallel_composes_with_context_parallelism_and_pipeline_stages(flags, world, batch):
+    for rank in run_ranks(_composed_job, flags, batch, world_size=world):
+        torch.testing.assert_close(rank["ep"]["losses"], rank["base"]["losses"], rtol=1e-5, atol=0)
+        # Under expert parallelism each rank's experts are a whole 2-of-4 block on the expert mesh (the group
+        # has no rank left over); without it, ZeRO-3 shards of all 4 on the data-parallel mesh.
+        assert {(shape[0], "ep" in dims) for shape, dims in rank["ep"]["held"]} == {(2, True)}, rank["ep"]
+        assert not any("ep" in dims for _, dims in rank["base"]["held"]), rank["base"]
