@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_shard import ShardStrategy
+from lightning_shard import ExpertLoadMonitor, ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.expert_parallel import expert_shards
 from tests.helpers import VOCAB, LossRecorder, full_weights, loader, tiny_moe, trainer_kwargs
@@ -221,10 +221,12 @@ def _demo_job(root: str) -> dict[str, Any]:
     if torch.distributed.is_initialized() is False and os.environ["RANK"] == "0":
         torch.save(GPTModule(**kwargs).state_dict(), path)
 
+    monitor = ExpertLoadMonitor(every_n_steps=1, per_expert=True)
+
     def fit(strategy: Any, empty: bool) -> list[float]:
         recorder = LossRecorder()
         trainer = L.Trainer(
-            devices=world, strategy=strategy, callbacks=[recorder], **trainer_kwargs(max_steps=STEPS)
+            devices=world, strategy=strategy, callbacks=[recorder, monitor], **trainer_kwargs(max_steps=STEPS)
         )
         with trainer.init_module(empty_init=empty):
             module = GPTModule(**kwargs)
@@ -234,6 +236,7 @@ def _demo_job(root: str) -> dict[str, Any]:
         return recorder.losses
 
     ep = fit(ShardStrategy(stage=3, expert_parallel_size=2, init_weights=path), empty=True)
+    ep_load = dict(monitor.metrics)  # the last batch's, under expert parallelism
     ddp = fit(DDPStrategy(), empty=False)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ShardFabricStrategy(expert_parallel_size=2))
     fabric.launch()
@@ -241,7 +244,7 @@ def _demo_job(root: str) -> dict[str, Any]:
     module.load_state_dict(torch.load(path))
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
     held = [tuple(p.to_local().shape) for n, p in model.named_parameters() if "experts" in n]
-    return {"ep": ep, "ddp": ddp, "fabric_held": held}
+    return {"ep": ep, "ddp": ddp, "fabric_held": held, "load": ep_load}
 
 
 def test_the_demo_moe_gpt_from_meta_with_init_weights_matches_ddp_and_sets_up_in_fabric(tmp_path):
@@ -253,6 +256,17 @@ def test_the_demo_moe_gpt_from_meta_with_init_weights_matches_ddp_and_sets_up_in
         torch.testing.assert_close(rank["ep"], rank["ddp"], rtol=1e-5, atol=0)
         # 2 of the 4 experts on each rank (ep = the world: no rank left to shard a block over).
         assert rank["fabric_held"] == [(2, 128, 32), (2, 32, 64)] * 2, rank["fabric_held"]
+        # The load-balance metric: per experts module, each expert's share of the tokens (summing to 1) and the
+        # busiest expert's tokens over the mean, between 1 (even) and E (one expert takes all).
+        load = rank["load"]
+        modules = {key.split("/")[1] for key in load if key.count("/") == 2}
+        assert modules == {"model.blocks.0.mlp.experts", "model.blocks.1.mlp.experts"}, load
+        for module in modules:
+            shares = [load[f"moe/{module}/expert{i}"] for i in range(4)]
+            assert sum(shares) == pytest.approx(1.0) and max(shares) / 0.25 == pytest.approx(
+                load[f"moe/{module}/max_over_mean"]
+            )
+        assert 1.0 <= load["moe/max_over_mean"] <= 4.0
 
 
 def _composed_job(flags: dict[str, Any], batch: int) -> dict[str, Any]:

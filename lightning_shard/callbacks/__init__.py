@@ -1,7 +1,9 @@
-"""Monitors that work with any strategy: throughput and MFU, the rank that holds the others back, and FLOPs
-and a peak for Lightning's own ThroughputMonitor, and a summary of the run at its end."""
+"""Monitors that work with any strategy: throughput and MFU, the rank that holds the others back, FLOPs and a
+peak for Lightning's own ThroughputMonitor, a summary of the run at its end, and the experts' load balance
+under expert parallelism."""
 
 from lightning_shard.averaging import EMA
+from lightning_shard.callbacks.experts import ExpertLoadMonitor
 from lightning_shard.callbacks.mfu import MFUMonitor
 from lightning_shard.callbacks.straggler import StragglerDetector
 from lightning_shard.callbacks.summary import RunSummary
@@ -9,6 +11,7 @@ from lightning_shard.callbacks.throughput import ThroughputMonitorFlops, feed_th
 
 __all__ = [
     "EMA",
+    "ExpertLoadMonitor",
     "MFUMonitor",
     "RunSummary",
     "StragglerDetector",
