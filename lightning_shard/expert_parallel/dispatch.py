@@ -79,9 +79,36 @@ class ExpertShard:
         return self.ep_rank * self.num_local
 
 
+class Traffic:
+    """Bytes this process has put into the expert all-to-alls (the per-expert counts, the token rows forward and
+    their gradients backward): ``bytes`` every chunk, ``crossed_bytes`` the chunks addressed to other ranks (the
+    chunk a rank sends itself is a local copy). Read by benchmarks/bench_moe.py, as ``engines._gloo.traffic``
+    counts the FSDP all-gathers."""
+
+    def __init__(self) -> None:
+        self.bytes = self.crossed_bytes = 0
+
+    def reset(self) -> None:
+        self.bytes = self.crossed_bytes = 0
+
+
+#: This process's expert all-to-all bytes.
+traffic = Traffic()
+
+
+def _all_to_all_single(
+    out: Tensor, rows: Tensor, out_sizes: list[int] | None, in_sizes: list[int] | None, group: Any
+) -> None:
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    own = rows.shape[0] // size if in_sizes is None else in_sizes[rank]  # rows this rank sends itself
+    traffic.bytes += rows.nbytes
+    traffic.crossed_bytes += rows.nbytes - own * (rows.nbytes // max(rows.shape[0], 1))
+    dist.all_to_all_single(out, rows, out_sizes, in_sizes, group=group)
+
+
 def _exchange(rows: Tensor, out_sizes: list[int], in_sizes: list[int], group: Any) -> Tensor:
     out = rows.new_empty((sum(out_sizes), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group=group)
+    _all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group)
     return out
 
 
@@ -145,7 +172,7 @@ def dispatch_combine(
             f" {shard.num_experts} experts (ids 0..{shard.num_experts - 1})."
         )
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)  # [E] = [ep (source), E/ep]
+    _all_to_all_single(recv_counts, send_counts, None, None, group)  # [E] = [ep (source), E/ep]
     received = recv_counts.view(ep, local)
     shard.received = received.detach()
     send_host, recv_host = torch.stack([send_counts.view(ep, local), received]).tolist()  # the one host sync
