@@ -12,7 +12,8 @@ workers; see docs/export.md).
 ``lightning-shard plan --params 7e9 --devices 8 --gpu-mem 80GB`` prints per-device memory for ZeRO
 stages 0-3 and the cheapest ``ShardStrategy(...)`` that fits (see docs/planner.md); beyond one node,
 with the ``tensor_parallel_size`` / ``pipeline_parallel_size`` / ``replicate_size`` its TP x PP x DP
-layout implies.
+layout implies; for a mixture of experts (``--experts E --top-k k``, or a ``--model`` that has experts), with
+the ``expert_parallel_size`` that splits them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lightning_shard import checkpoint
 from lightning_shard.checkpoint._hf_plan import refusal_cause
 from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.planner import available_device_memory, plan
+from lightning_shard.planner.experts import check_flags
 from lightning_shard.planner.mesh import check_sizes
 from lightning_shard.planner.model import build_on_meta
 from lightning_shard.plot import plot_run
@@ -42,6 +44,7 @@ _PLAN_EPILOG = """examples:
   lightning-shard plan --model lightning_shard.demos.gpt.GPT --model.n_layers 12 --model.d_model 768 --devices 2 --gpu-mem 16GB
   lightning-shard plan --params 70e9 --gpus 256 --gpu-mem 80GB --seq-len 4096 --json
   lightning-shard plan --params 7e9 --gpus 64 --gpu-mem 80GB --replicate-size 8
+  lightning-shard plan --params 47e9 --experts 8 --top-k 2 --gpus 64 --gpu-mem 80GB
 Model constructor arguments are given jsonargparse-style, --model.NAME VALUE."""
 
 
@@ -70,6 +73,8 @@ def _add_plan(sub: Any) -> None:
     )
     for name in ("layers", "hidden", "heads", "vocab", "ffn"):
         model.add_argument(f"--{name}", type=_positive_int, help=f"override the model's {name}")
+    model.add_argument("--experts", type=int, help="mixture of experts: E experts per layer (with --top-k)")
+    model.add_argument("--top-k", type=int, help="mixture of experts: the experts each token is routed to")
     run = plan.add_argument_group("devices")
     run.add_argument("--devices", type=_positive_int, help="devices per node (default 1)")
     run.add_argument("--nodes", type=_positive_int, help="nodes (default 1)")
@@ -106,6 +111,11 @@ def _add_plan(sub: Any) -> None:
         type=_positive_int,
         help="plan for this ShardStrategy(context_parallel_size=...) (default: 1, or the fewest ranks that"
         " make one sequence's activations fit)",
+    )
+    run.add_argument(
+        "--expert-parallel-size",
+        type=_positive_int,
+        help="plan for this ShardStrategy(expert_parallel_size=...) (default: searched for a mixture of experts)",
     )
     flags = plan.add_argument_group("training")
     flags.add_argument(
@@ -299,6 +309,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
     memory, memory_note = _device_memory(args, per_node)
     if args.params is not None:
         parse_count(args.params, "--params")
+    check_flags(args.experts, args.top_k, args.expert_parallel_size, args.model is not None, cli=True)
     parse_bandwidth(args.bandwidth, "--bandwidth")
     if not 0 <= args.margin < 1:
         raise PlanInputError(
@@ -319,7 +330,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "nvme_path",
     )
     same += ("micro_batch", "seq_len", "margin", "layers", "hidden", "heads", "vocab", "ffn", "bandwidth")
-    same += ("tiled_mlp", "tiled_loss")
+    same += ("tiled_mlp", "tiled_loss", "experts", "top_k")
     return {
         **{name: getattr(args, name) for name in same},
         "params": args.params,
@@ -335,6 +346,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
         "replicate_size": args.replicate_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "context_parallel_size": args.context_parallel_size or "auto",
+        "expert_parallel_size": args.expert_parallel_size or "auto",
         "_note": memory_note,
     }
 

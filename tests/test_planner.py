@@ -839,12 +839,13 @@ JSON_KEYS = {
         "gradients", "optimizer", "model_state", "activations", "buffers", "total", "host", "fits", "buffers_detail", "unsupported",
         "replicate_size", "tensor_parallel_size", "pipeline_parallel_size", "microbatches",
         "context_parallel_size", "context_parallel_method", "tiled_mlp", "tiled_loss",
+        "expert_parallel_size", "expert_parameters",
     },
     "communication": {"bandwidth", "gradient_bytes", "allreduce_seconds", "step_bytes", "step_seconds"},
     "layout": {"gpus_per_node", "options", "suggested"},
     "option": {
         "tp", "pp", "dp", "stage", "activation_checkpointing", "per_device_bytes", "fits", "micro_batches",
-        "bubble", "allreduce_seconds", "step_comm_seconds",
+        "bubble", "allreduce_seconds", "step_comm_seconds", "ep",
     },
 }  # fmt: skip
 

@@ -9,7 +9,13 @@ mixture-of-experts layer, and tokens travel to their experts and back by all-to-
 Nothing here knows about Lightning; the strategy flags build on these.
 """
 
-from lightning_shard.expert_parallel.apply import ROLES, apply_expert_parallel, expert_modules, expert_shards
+from lightning_shard.expert_parallel.apply import (
+    ROLES,
+    apply_expert_parallel,
+    expert_modules,
+    expert_shards,
+    planned_experts,
+)
 from lightning_shard.expert_parallel.dispatch import ExpertCompute, ExpertShard, all_to_all, dispatch_combine
 from lightning_shard.expert_parallel.experts import ExpertLayout
 from lightning_shard.expert_parallel.grouped import (
@@ -33,4 +39,5 @@ __all__ = [
     "expert_shards",
     "grouped_linear",
     "grouped_mm_runs",
+    "planned_experts",
 ]

@@ -120,6 +120,12 @@ def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
     }
 
 
+def planned_experts(model: nn.Module, plan: Mapping[str, str] | None = None) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every experts module :func:`apply_expert_parallel` would split with ``plan`` (the
+    model's own where ``None``), without splitting anything or needing a process group (the planner reads it)."""
+    return [(name, module) for name, module, _ in _experts_modules(model, plan)]
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules :func:`apply_expert_parallel` split, in module order."""
     return [m for m in model.modules() if isinstance(getattr(m, "expert_shard", None), ExpertShard)]

@@ -17,11 +17,12 @@ Example::
 
 ===============  ==========================================================================
 ``units``        sizes, counts and bandwidths as typed (``80GB``, ``7B``, ``200Gb/s``)
+``experts``      a mixture of experts: E, k, the experts' parameters; what expert parallelism divides
 ``model``        a model's shape (from a module, a class path on meta, or a count); activations
 ``memory``       bytes per device of one configuration (model state, buffers); the search order
 ``layout``       data-parallel traffic, the pipeline bubble, a TP x PP x DP layout
 ``accepted``     which configurations the strategy accepts (``ShardConfig.from_flags``)
-``mesh``         the layout as ``tensor_parallel_size`` / ``replicate_size`` (HSDP) flags
+``mesh``         the layout as ``tensor_parallel_size`` / ``replicate_size`` (HSDP) flags; context parallelism
 ``render``       rows as JSON, as a text grid, as stacked bars
 ``result``       :class:`Plan`: the answer, with ``to_dict``, ``table`` and ``plot``
 ``search``       :func:`plan` and :func:`choose_stage`

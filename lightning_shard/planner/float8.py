@@ -3,7 +3,7 @@ strategy converts, where its settings gather them in float8 (stages 2-3, the ten
 
 With a model, the strategy's own choice (:func:`lightning_shard.fp8.choose`: the size rule, ``modules``,
 ``skip`` or a filter); with a shape only, the size rule applied to a GPT block's four Linears (hidden x
-3 hidden, hidden x hidden, hidden x ffn, ffn x hidden), once per layer.
+3 hidden, hidden x hidden, hidden x ffn, ffn x hidden; only the first two with experts), once per layer.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def float8_gathered_params(fp8: Any, stage: int, module: nn.Module | None, shape
         return sum(sub.weight.numel() for name, sub in module.named_modules() if name in chosen)
     h, ffn = shape.hidden, shape.ffn
     dims = [(h, 3 * h), (h, h), (h, ffn), (ffn, h)]  # (in_features, out_features)
+    if shape.experts:  # the experts are 3-D weights, not Linears: only attention's are converted
+        dims = dims[:2]
     linears = [nn.Linear(k, n, bias=False, device="meta") for k, n in dims if k and n]
     kept = [
         lin

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from lightning_shard.planner.experts import parallel_sizes
 from lightning_shard.planner.memory import (
     CHECKPOINTING,
     PRECISION_BYTES,
@@ -101,12 +102,13 @@ class LayoutOption:
     bubble: float
     communication: Communication
 
-    def key(self) -> tuple[int, int, int, int]:
+    def key(self) -> tuple[int, int, int, int, int]:
         return (
             CHECKPOINTING.index(self.row.config.activation_checkpointing),
             self.tp * self.pp,
             self.pp,
             self.row.config.stage,
+            -self.row.config.expert_parallel_size,
         )
 
 
@@ -129,8 +131,12 @@ def suggest_layout(
     micro_batches: int | None,
     checkpointing: Checkpointing | str = "auto",
     judge: Callable[[Breakdown], Breakdown] = lambda row: row,
+    expert_parallel_size: int | str = "auto",
 ) -> Layout:
     """Search t x p x d = world size (t a power of two within a node) for the layout described above.
+
+    A mixture of experts also weighs ``expert_parallel_size`` over the d ranks (:func:`.experts.parallel_sizes`:
+    ``"auto"`` every e dividing d and E within a node, an int only itself), the largest e last among equals.
 
     ``judge`` marks the rows the strategy refuses (see :mod:`.accepted`; each row carries its
     ``tensor_parallel_size``, ``pipeline_parallel_size`` and ``microbatches``), so none is suggested;
@@ -148,20 +154,21 @@ def suggest_layout(
         for pp in (d for d in _divisors(world // tp) if d <= layers):
             setting = replace(s, world_size=world // (tp * pp), tp=tp, pp=pp)
             m = micro_batches or 4 * pp
-            for stage in (0, 1, 2, 3):
-                for mode in modes:
-                    config = Config(
-                        stage,
-                        activation_checkpointing=mode,  # type: ignore[arg-type]
-                        tensor_parallel_size=tp,
-                        pipeline_parallel_size=pp,
-                        microbatches=m if pp > 1 else None,
-                    )
-                    row = judge(breakdown(setting, config))
-                    comm = communication(setting, stage, bandwidth)
-                    options.append(
-                        LayoutOption(tp, pp, setting.world_size, row, m, pipeline_bubble(pp, m), comm)
-                    )
+            eps = parallel_sizes(setting.world_size, s.shape.experts, expert_parallel_size, gpus_per_node)
+            for stage, mode, ep in ((st, md, ep) for st in (0, 1, 2, 3) for md in modes for ep in eps):
+                config = Config(
+                    stage,
+                    activation_checkpointing=mode,  # type: ignore[arg-type]
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    microbatches=m if pp > 1 else None,
+                    expert_parallel_size=ep,
+                )
+                row = judge(breakdown(setting, config))
+                comm = communication(setting, stage, bandwidth)
+                options.append(LayoutOption(tp, pp, setting.world_size, row, m, pipeline_bubble(pp, m), comm))
+        if not options:  # a fixed expert_parallel_size divides none of this TP size's data-parallel groups
+            break
         fitting = [o for o in options if o.row.fits]
         runnable = [o for o in options if o.row.unsupported is None] or options
         per_tp.append(

@@ -8,16 +8,21 @@ stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the
 ``offload_params`` the parameter shards (stage 3), and both together (FSDP2 ``CPUOffloadPolicy``, the
 optimizer steps on the host) the gradient shards as well. Which flag combinations run at all is the
 strategy's rule, not this module's: :mod:`lightning_shard.planner.accepted` asks ``ShardConfig``.
+With ``expert_parallel_size`` = e a device holds E / e experts of each experts module: the experts' Ψ_E
+count Ψ_E / e at stage 0 and Ψ_E / N at stages 2-3, its parameter copies and gradient buffers are of
+those E / e, and the all-to-all's buffers join the working buffers (:mod:`lightning_shard.planner.experts`).
 
 Working buffers are what exists only during a step, on top of the model state and activations:
 
-* parameter copies: stage 2 holds every unit's gathered parameters from forward to backward (Ψ·c);
+* parameter copies (of the E / e experts a device holds, under expert parallelism): stage 2 holds every
+  unit's gathered parameters from forward to backward (Ψ·c);
   stage 3 the root unit and two blocks (the one computing and the one prefetched); stages 0-1 in mixed
   precision keep autocast's low-precision weight copies for backward (except inside checkpointed blocks);
 * gradient buffers: DDP's buckets, a second copy of the gradients (stages 0-1); the unsharded gradients
   of two units before their reduce-scatter (stages 2-3);
 * the loss: a language model's fp32 log-softmax of the logits and its gradient, 8 bytes x tokens x V;
-* recompute: the activations of the one block being recomputed in backward.
+* recompute: the activations of the one block being recomputed in backward;
+* all-to-all (expert parallelism): one layer's send and receive buffers of its tokens' routed rows.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_shard.planner.experts import all_to_all_bytes
 from lightning_shard.planner.model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
 from lightning_shard.tiling import loss_tile
 
@@ -66,22 +72,28 @@ class Config:
     """``ShardStrategy(tiled_mlp=True)``: the MLPs' hidden units are recomputed tile by tile, not kept."""
     tiled_loss: bool = False
     """``ShardStrategy(tiled_loss=True)``: the logits exist one tile at a time (:mod:`lightning_shard.tiling`)."""
+    expert_parallel_size: int = 1
+    """Ranks each experts module's experts are split over (:mod:`.experts`); 1 is none."""
 
     @property
     def offloads(self) -> int:
         return (self.offload_optimizer != "none") + (self.offload_params != "none")
 
-    def cost(self) -> tuple[int, int, int, int]:
-        """Cheapest first: lowest stage, then fewest offloads, then least recompute.
+    def cost(self) -> tuple[int, int, int, int, int]:
+        """Cheapest first: lowest stage, then fewest offloads, then least recompute, then the most expert
+        parallelism.
 
         Between one offload and another, the optimizer's goes first: it crosses to the host once per
-        step, offloaded parameters twice per micro-batch (gathered for forward and for backward).
+        step, offloaded parameters twice per micro-batch (gathered for forward and for backward). A
+        larger ``expert_parallel_size`` holds (stage 0) or gathers (stages 2-3) fewer experts per device
+        and reduces their gradients over fewer ranks, for the same all-to-all per token.
         """
         return (
             self.stage,
             self.offloads,
             CHECKPOINTING.index(self.activation_checkpointing),
             self.offload_params != "none",
+            -self.expert_parallel_size,
         )
 
     def strategy_kwargs(self, engine: str = "auto", nvme_path: str | None = None) -> dict[str, Any]:
@@ -98,6 +110,7 @@ class Config:
             "tensor_parallel_size",
             "pipeline_parallel_size",
             "context_parallel_size",
+            "expert_parallel_size",
         ):
             if getattr(self, size) != 1:
                 kwargs[size] = getattr(self, size)
@@ -150,6 +163,8 @@ class Breakdown:
     host: int
     usable: int
     buffers_detail: dict[str, int] = field(default_factory=dict)
+    expert_parameters: int = 0
+    """Of ``parameters``: the experts' (mixture of experts), ``Ψ_E x p / e`` at stage 0, ``/ N`` at stages 2-3."""
     unsupported: str | None = None
     """Why this configuration cannot run (the strategy's or the model's reason), or None."""
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -193,22 +208,30 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     """Per-device bytes of ``config`` in setting ``s`` (formulas in the module docstring)."""
     p, c, reduce = PRECISION_BYTES[s.precision]
     mixed = c < p
-    n, mp = s.world_size, s.tp * s.pp
+    n, mp, stage = s.world_size, s.tp * s.pp, config.stage
     psi, trainable = s.shape.params / mp, s.shape.trainable / mp
-    block = s.shape.block_params / s.tp
+    # A device holds E / e experts of each experts module (the experts' weights count as trainable): it
+    # computes with, gathers and reduces those; sharded over the N / e ranks left at stages 2-3, the state
+    # per device is psi / N as without them (formulas in :mod:`.experts`).
+    unheld = 1 - 1 / config.expert_parallel_size
+    experts = s.shape.expert_params / mp
+    held_params, held_trainable = psi - experts * unheld, trainable - min(experts, trainable) * unheld
+    per_module = s.shape.expert_params / s.shape.moe_layers if s.shape.moe_layers else 0.0
+    block = max(0.0, s.shape.block_params - per_module * unheld) / s.tp
     root = s.shape.root_params / mp
-    params = psi * p / (n if config.stage >= 2 else 1)
-    grads = trainable * p / (n if config.stage >= 2 else 1)
-    optim = trainable * OPTIMIZER_STATES[s.optimizer] * p / (n if config.stage >= 1 else 1)
+    params = (psi / n if stage >= 2 else held_params) * p
+    expert_bytes = (experts / n if stage >= 2 else experts / config.expert_parallel_size) * p
+    grads = (trainable / n if stage >= 2 else held_trainable) * p
+    optim = (trainable / n if stage >= 1 else held_trainable) * OPTIMIZER_STATES[s.optimizer] * p
     host = 0.0
     if config.offload_optimizer != "none":
         host, optim = host + optim, 0.0
     if config.offload_params != "none":
-        host, params = host + params, 0.0
+        host, params, expert_bytes = host + params, 0.0, 0.0
         if config.offload_optimizer != "none":  # the optimizer steps on the host, so gradients land there
             host, grads = host + grads, 0.0
     ckpt = config.activation_checkpointing
-    detail = _buffers(s, config, psi, trainable, block, root, p, c, reduce, mixed)
+    detail = _buffers(s, config, held_params, held_trainable, block, root, p, c, reduce, mixed)
     acts = 0.0
     if s.micro_batch and s.seq_len:
         r = p  # under autocast the residual stream keeps the stored dtype (fp32 in mixed precision)
@@ -227,6 +250,8 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
             config.tiled_loss,
         )
         tokens = s.micro_batch * s.seq_len / cp  # each rank of a context-parallel group holds T / cp of them
+        if config.expert_parallel_size > 1 and s.shape.moe_layers:
+            detail["all_to_all"] = int(all_to_all_bytes(tokens, s.shape.top_k, s.shape.hidden, r))
         if ckpt != "none" and s.shape.layers:
             kept = block_activation_bytes(s.shape, ckpt, r, c)
             detail["recompute"] = int(tokens * (block_activation_bytes(s.shape, "none", r, c) - kept) / s.tp)
@@ -248,6 +273,7 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
         host=int(host),
         usable=s.usable,
         buffers_detail=detail,
+        expert_parameters=int(expert_bytes),
         unsupported=unsupported(config, s.shape.layers),
     )
 
@@ -290,10 +316,12 @@ def candidates(
     context_parallel_method: str = "allgather",
     tiled_mlp: bool = False,
     tiled_loss: bool = False,
+    expert_parallel_sizes: tuple[int, ...] = (1,),
 ) -> list[Config]:
     """Every configuration the search weighs; ``"auto"`` tries none and cpu (nvme needs a path).
 
-    The mesh sizes are not searched here: they are fixed, or chosen from the layout (:mod:`.mesh`).
+    The mesh sizes are not searched here: they are fixed, or chosen from the layout (:mod:`.mesh`);
+    ``expert_parallel_sizes`` are each weighed (:func:`.experts.parallel_sizes`).
     """
     opt_choices: tuple[Offload, ...] = (
         ("none", "cpu") if offload_optimizer == "auto" else (offload_optimizer,)
@@ -314,11 +342,13 @@ def candidates(
             context_parallel_method,
             tiled_mlp,
             tiled_loss,
+            ep,
         )
         for stage in stages
         for opt in opt_choices
         for par in param_choices
         for ckpt in ckpt_choices
+        for ep in expert_parallel_sizes
     ]
 
 

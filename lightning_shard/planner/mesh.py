@@ -17,7 +17,9 @@ pipeline stages. When the plan has a layout (``layout=True``, or the CLI beyond 
   memory (not checked) would grow by the same factor.
 
 Fixed sizes (``plan(tensor_parallel_size=..., replicate_size=...)``, as ``stage="auto"`` passes the
-strategy's own) are kept as given: :func:`fixed_setting` is the setting they describe.
+strategy's own) are kept as given: :func:`fixed_setting` is the setting they describe. Context parallelism
+(:func:`with_cp`) is taken only when nothing fits without it. Expert parallelism is searched with the other
+flags (:mod:`.experts`); it is carved from the shard group, so HSDP keeps it only where it divides a node's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import replace
 from lightning_shard.parallel.mesh import check_world
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.layout import Layout, LayoutOption
-from lightning_shard.planner.memory import Breakdown, Setting, breakdown
+from lightning_shard.planner.memory import Breakdown, Setting, breakdown, cheapest
 from lightning_shard.units import PlanInputError, format_bytes
 
 
@@ -106,6 +108,11 @@ def with_hsdp(
             f"No HSDP (replicate_size stays 1): a shard group of one node's {shard} ranks"
             f" (gpus_per_node={gpus_per_node} / TP={tp}) does not divide the {dp} data-parallel ranks."
         ]
+    if shard % row.config.expert_parallel_size:
+        return row, [
+            f"No HSDP (replicate_size stays 1): expert_parallel_size={row.config.expert_parallel_size} does not"
+            f" divide a shard group of one node's {shard} ranks, which expert-parallel groups are carved from."
+        ]
     replicate = dp // shard
     hybrid = check.judge(
         breakdown(replace(setting, world_size=shard), replace(row.config, replicate_size=replicate))
@@ -128,3 +135,31 @@ def with_hsdp(
             f" {why}."
         ],
     )
+
+
+def with_cp(
+    rows: list[Breakdown], setting: Setting, check: StrategyCheck
+) -> tuple[Breakdown | None, list[str]]:
+    """The cheapest of ``rows`` (mesh kept) with the sequence cut over the fewest ranks that make it fit.
+
+    Context parallelism divides each sequence's activations by ``c`` (not the model state), at the cost
+    of attention's collectives every layer, so it is taken only when nothing fits without it; ``c`` runs
+    over the powers of two dividing the shard group's ranks (the strategy's rule) for which the sequence
+    cuts into ``2c`` equal chunks. The method is ``"allgather"``, which runs on any backend and head count.
+    """
+    seq = setting.seq_len
+    if not setting.micro_batch or not seq:
+        return None, []
+    c = 2
+    while setting.world_size % c == 0 and seq % (2 * c) == 0:
+        cut = [check.judge(breakdown(setting, replace(row.config, context_parallel_size=c))) for row in rows]
+        best = cheapest(cut)
+        if best is not None and best.fits:
+            note = (
+                f"Context parallelism: one sequence's activations do not fit on one device; cut over {c} ranks"
+                f" ({seq // c} tokens each, keys and values all-gathered), {best.strategy_line} fits in"
+                f" {format_bytes(best.total)}. Pad sequences to a multiple of {2 * c} (docs/context_parallel.md)."
+            )
+            return best, [note]
+        c *= 2
+    return None, []

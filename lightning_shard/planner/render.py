@@ -26,6 +26,7 @@ def row_dict(row: Breakdown) -> dict[str, Any]:
         "host": row.host,
         "fits": row.fits,
         "buffers_detail": dict(row.buffers_detail),
+        "expert_parameters": row.expert_parameters,
         "unsupported": row.unsupported,
     }
 
@@ -35,6 +36,7 @@ def layout_option_dict(option: LayoutOption) -> dict[str, Any]:
         "tp": option.tp,
         "pp": option.pp,
         "dp": option.dp,
+        "ep": option.row.config.expert_parallel_size,
         "stage": option.row.config.stage,
         "activation_checkpointing": option.row.config.activation_checkpointing,
         "per_device_bytes": option.row.total,
@@ -60,6 +62,8 @@ def flags(config: Config) -> str:
         parts.append(f"tp:{config.tensor_parallel_size}")
     if config.replicate_size != 1:
         parts.append(f"replicas:{config.replicate_size}")
+    if config.expert_parallel_size != 1:
+        parts.append(f"ep:{config.expert_parallel_size}")
     if config.offload_optimizer != "none":
         parts.append(f"opt->{config.offload_optimizer}")
     if config.offload_params != "none":
@@ -95,7 +99,8 @@ def layout_lines(layout: Layout) -> list[str]:
         [
             str(o.tp),
             str(o.pp),
-            str(o.dp),
+            str(o.dp)
+            + (f" (EP {o.row.config.expert_parallel_size})" if o.row.config.expert_parallel_size > 1 else ""),
             str(o.row.config.stage),
             o.row.config.activation_checkpointing,
             format_bytes(o.row.total),
@@ -112,8 +117,9 @@ def layout_lines(layout: Layout) -> list[str]:
     if s is None:
         lines.append("suggested: none fits; add devices or lower the micro-batch / sequence length.")
     else:
+        ep = s.row.config.expert_parallel_size
         lines.append(
-            f"suggested: TP={s.tp} x PP={s.pp} x DP={s.dp}, ZeRO stage {s.row.config.stage},"
+            f"suggested: TP={s.tp} x PP={s.pp} x DP={s.dp}{f' (EP {ep})' if ep > 1 else ''}, ZeRO stage {s.row.config.stage},"
             f" recompute {s.row.config.activation_checkpointing}: {format_bytes(s.row.total)} per device,"
             f" bubble {s.bubble:.0%}"
         )

@@ -68,7 +68,12 @@ class Plan:
         """The ``--json`` document; its keys are listed in docs/planner.md and are stable."""
         return {
             "version": JSON_VERSION,
-            "model": {**asdict(self.model), "root_params": self.model.root_params},
+            "model": {
+                **asdict(self.model),
+                "root_params": self.model.root_params,
+                "active_params": self.model.active_params,
+                "flops_per_token": self.model.flops_per_token(self.seq_len),
+            },
             "inputs": {
                 "world_size": self.world_size,
                 "device_memory": self.device_memory,
@@ -100,6 +105,12 @@ class Plan:
                 f"recommended: {best.strategy_line}  ({format_bytes(best.total)} of"
                 f" {format_bytes(self.usable_memory)} usable: {verdict})"
             )
+        if best is not None and best.config.expert_parallel_size > 1:
+            e, m = best.config.expert_parallel_size, self.model
+            lines.append(
+                f"expert parallel: {m.experts // e} of {m.experts} experts per device ({format_bytes(best.expert_parameters)}"
+                f" of expert parameters); all-to-all buffers {format_bytes(best.buffers_detail.get('all_to_all', 0))}"
+            )
         if self.communication is not None:
             c = self.communication
             lines.append(
@@ -118,6 +129,11 @@ class Plan:
         batch = (
             f"micro-batch {self.micro_batch} x seq {self.seq_len}" if self.micro_batch else "no micro-batch"
         )
+        if m.experts:
+            shape += (
+                f"; {m.experts} experts, top-{m.top_k}: {format_count(m.expert_params)} in experts,"
+                f" {format_count(m.active_params)} active per token"
+            )
         return [
             f"model: {m.source}, {format_count(m.params)} parameters ({shape}{', inferred' if m.inferred else ''})",
             f"per device: {format_bytes(self.device_memory)}, usable {format_bytes(self.usable_memory)}"

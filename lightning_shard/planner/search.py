@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_shard.planner import mesh
 from lightning_shard.planner.accepted import StrategyCheck
+from lightning_shard.planner.experts import check_fixed, check_flags, parallel_sizes
 from lightning_shard.planner.float8 import float8_gathered_params
 from lightning_shard.planner.layout import Layout, communication, suggest_layout
 from lightning_shard.planner.memory import (
@@ -23,21 +24,9 @@ from lightning_shard.planner.memory import (
     candidates,
     cheapest,
 )
-from lightning_shard.planner.model import (
-    Checkpointing,
-    ModelShape,
-    build_on_meta,
-    shape_from_module,
-    shape_from_params,
-)
+from lightning_shard.planner.model import Checkpointing, ModelShape, build_on_meta, model_shape
 from lightning_shard.planner.result import Plan
-from lightning_shard.units import (
-    PlanInputError,
-    format_bytes,
-    parse_bandwidth,
-    parse_count,
-    parse_size,
-)
+from lightning_shard.units import PlanInputError, format_bytes, parse_bandwidth, parse_size
 
 Stage = Literal[0, 1, 2, 3, "auto"]
 Auto = Literal["auto"]
@@ -54,20 +43,6 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PlanInputError(f"plan({name}={value!r}) must be a whole number >= 1.")
-
-
-def _shape(
-    module: nn.Module | None, model: str | None, init_args: dict[str, Any] | None, params: Any, dims: dict
-) -> ModelShape:
-    if module is None and model is not None:
-        module = build_on_meta(model, init_args)
-    if module is None:
-        return shape_from_params(parse_count(params, "params") if params is not None else None, **dims)
-    shape = shape_from_module(module, model)
-    if params is not None:  # an explicit count wins over the counted one (e.g. a model of a planned size)
-        count = parse_count(params, "params")
-        shape = replace(shape, params=count, trainable=count)
-    return replace(shape, **{k: v for k, v in dims.items() if v is not None})
 
 
 def _validate(args: dict[str, Any]) -> None:
@@ -146,6 +121,9 @@ def plan(
     fp8: Any = False,
     tiled_mlp: bool = False,
     tiled_loss: bool = False,
+    experts: int | None = None,
+    top_k: int | None = None,
+    expert_parallel_size: int | Auto = "auto",
 ) -> Plan:
     """Plan one device's memory for every stage and recommend the cheapest configuration that fits.
 
@@ -165,7 +143,7 @@ def plan(
     ``context_parallel_size`` fixes the ranks each sequence is cut over (activations of ``seq_len / c``
     tokens, plus what ``context_parallel_method``'s attention keeps of the whole sequence; None is 1);
     ``"auto"`` (the CLI's default) cuts only when nothing fits without it: the smallest power of two that
-    divides the data-parallel ranks and makes the recommendation fit is taken, with a note (see :func:`_with_cp`).
+    divides the data-parallel ranks and makes the recommendation fit is taken, with a note (see :func:`.mesh.with_cp`).
 
     ``tiled_mlp`` / ``tiled_loss`` plan ``ShardStrategy(tiled_mlp=..., tiled_loss=...)``: the MLPs' hidden
     units are not kept, and the logits and their loss exist one tile at a time (:mod:`lightning_shard.tiling`).
@@ -173,11 +151,17 @@ def plan(
     ``fp8`` is ``ShardStrategy(fp8=...)``'s flag: at stages 2-3 the converted Linears' weights are gathered
     in float8, 1 byte each, in the data-parallel traffic (see :mod:`.float8`).
 
+    A mixture of experts is read from the module (its experts modules, as ``expert_parallel_size`` finds
+    them), or planned from ``params`` with ``experts`` = E and ``top_k`` = k (:mod:`.experts`).
+    ``expert_parallel_size="auto"`` weighs every e dividing E and the shard group's ranks, up to
+    ``gpus_per_node``, and prefers the largest among otherwise equal configurations; an int fixes it.
+
     Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
     (with ``engine`` and ``nvme_path`` as given), so a recommendation always constructs a
     ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
     """
     _validate(locals())
+    check_flags(experts, top_k, expert_parallel_size, module is not None or model is not None)
     fixed_mesh = any(
         size is not None for size in (tensor_parallel_size, replicate_size, pipeline_parallel_size)
     )
@@ -194,11 +178,14 @@ def plan(
     dims = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "ffn": ffn}
     if fp8 and module is None and model is not None:
         module = build_on_meta(model, init_args)  # the Linears fp8 converts are counted on it
-    shape = _shape(module, model, init_args, params, dims)
+    shape = model_shape(module, model, init_args, params, dims, experts, top_k)
     seq = seq_len or shape.seq_len or (2048 if micro_batch else None)
     usable = int(memory * (1 - margin))
     full = Setting(shape, world_size, usable, precision, optimizer, micro_batch, seq)
     setting = mesh.fixed_setting(full, tp, replicas, pp)
+    if expert_parallel_size != "auto":
+        check_fixed(expert_parallel_size, shape.experts, setting.world_size, shape.source)
+    eps = parallel_sizes(setting.world_size, shape.experts, expert_parallel_size, gpus_per_node)
     check = StrategyCheck(engine, nvme_path, precision)
     configs = candidates(
         (0, 1, 2, 3),
@@ -213,6 +200,7 @@ def plan(
         context_parallel_method,
         bool(tiled_mlp),
         bool(tiled_loss),
+        eps,
     )
     rows = [check.judge(breakdown(setting, config)) for config in configs]
     # With replicate_size > 1 the strategy refuses stages 0-1 (their rows read n/a): never recommended.
@@ -226,12 +214,20 @@ def plan(
     grid: Layout | None = None
     mesh_notes: list[str] = []
     if layout and world_size > 1:
-        grid = suggest_layout(full, gpus_per_node, bw, micro_batches, activation_checkpointing, check.judge)
+        grid = suggest_layout(
+            full,
+            gpus_per_node,
+            bw,
+            micro_batches,
+            activation_checkpointing,
+            check.judge,
+            expert_parallel_size,
+        )
         if not fixed_mesh:
             fixed = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_params": offload_params}
             recommended, setting, mesh_notes = _mesh(recommended, setting, grid, fixed, check)
     if context_parallel_size == "auto" and recommended is not None and not recommended.fits:
-        cp_row, cp_notes = _with_cp(allowed, setting, check)
+        cp_row, cp_notes = mesh.with_cp(allowed, setting, check)
         if cp_row is not None:
             recommended, mesh_notes = cp_row, cp_notes
     comm = None
@@ -240,7 +236,10 @@ def plan(
         data_parallel = replace(setting, world_size=world_size // (setting.tp * setting.pp))
         stage_ = recommended.config.stage
         comm = communication(data_parallel, stage_, bw, float8_gathered_params(fp8, stage_, module, shape))
-    notes = _notes(shape, micro_batch, recommended) + _refused(allowed, recommended, check) + mesh_notes
+    no_ep = expert_parallel_size == "auto" and shape.experts > 1 and max(eps) == 1
+    notes = (
+        _notes(shape, micro_batch, recommended, no_ep) + _refused(allowed, recommended, check) + mesh_notes
+    )
     return Plan(
         model=shape,
         world_size=world_size,
@@ -285,36 +284,13 @@ def _mesh(
     return row, setting, notes
 
 
-def _with_cp(
-    rows: list[Breakdown], setting: Setting, check: StrategyCheck
-) -> tuple[Breakdown | None, list[str]]:
-    """The cheapest of ``rows`` (mesh kept) with the sequence cut over the fewest ranks that make it fit.
-
-    Context parallelism divides each sequence's activations by ``c`` (not the model state), at the cost
-    of attention's collectives every layer, so it is taken only when nothing fits without it; ``c`` runs
-    over the powers of two dividing the shard group's ranks (the strategy's rule) for which the sequence
-    cuts into ``2c`` equal chunks. The method is ``"allgather"``, which runs on any backend and head count.
-    """
-    seq = setting.seq_len
-    if not setting.micro_batch or not seq:
-        return None, []
-    c = 2
-    while setting.world_size % c == 0 and seq % (2 * c) == 0:
-        cut = [check.judge(breakdown(setting, replace(row.config, context_parallel_size=c))) for row in rows]
-        best = cheapest(cut)
-        if best is not None and best.fits:
-            note = (
-                f"Context parallelism: one sequence's activations do not fit on one device; cut over {c} ranks"
-                f" ({seq // c} tokens each, keys and values all-gathered), {best.strategy_line} fits in"
-                f" {format_bytes(best.total)}. Pad sequences to a multiple of {2 * c} (docs/context_parallel.md)."
-            )
-            return best, [note]
-        c *= 2
-    return None, []
-
-
-def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None) -> list[str]:
+def _notes(shape: ModelShape, micro_batch: int | None, best: Breakdown | None, no_ep: bool) -> list[str]:
     notes = []
+    if no_ep:
+        notes.append(
+            f"No expert_parallel_size > 1 divides both the {shape.experts} experts and the ranks of a shard"
+            " group (up to a node's): every device holds every expert."
+        )
     if shape.inferred:
         notes.append(
             f"Shape inferred from the parameter count (layers={shape.layers}, hidden={shape.hidden},"
@@ -339,13 +315,15 @@ def _refused(rows: list[Breakdown], best: Breakdown | None, check: StrategyCheck
 
     Only refusals that read the same at stage 3, where the strategy allows every offload: those are
     about this machine or the fixed flags (DeepSpeed or libaio not installed, the NVMe path, the
-    precision), which the user can change, not about a stage the search already moved past.
+    precision), which the user can change, not about a stage the search already moved past; nor about
+    expert parallelism, which the search weighs as one more option (its limits are the strategy's design).
     """
     better = [
         row
         for row in rows
         if check.refusal(row.config) is not None
         and check.refusal(row.config) == check.refusal(replace(row.config, stage=3))
+        and check.refusal(row.config) == check.refusal(replace(row.config, expert_parallel_size=1))
         and row.total <= row.usable
         and (best is None or not best.fits or row.config.cost() < best.config.cost())
     ]
@@ -381,6 +359,7 @@ def choose_stage(
     context_parallel_method: str = "allgather",
     tiled_mlp: bool = False,
     tiled_loss: bool = False,
+    expert_parallel_size: int = 1,
 ) -> Plan:
     """The plan behind ``ShardStrategy(stage="auto")``: the cheapest configuration for this real model.
 
@@ -392,7 +371,8 @@ def choose_stage(
     (``micro_batch`` is then one of the pipeline's ``micro_batches``), and with ``replicate_size > 1``
     (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed; with
     ``context_parallel_size`` > 1 each rank's activations are those of ``seq_len / c`` tokens plus what the
-    method's attention keeps of the whole sequence; ``tiled_mlp`` / ``tiled_loss`` are the strategy's tiling.
+    method's attention keeps of the whole sequence; ``tiled_mlp`` / ``tiled_loss`` are the strategy's tiling;
+    ``expert_parallel_size`` is the strategy's own (1: the strategy refuses it with ``stage="auto"``).
     If nothing fits, ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
@@ -419,4 +399,5 @@ def choose_stage(
         context_parallel_method=context_parallel_method,
         tiled_mlp=tiled_mlp,
         tiled_loss=tiled_loss,
+        expert_parallel_size=expert_parallel_size,
     )
