@@ -147,6 +147,9 @@ def _inverse(order: Tensor) -> Tensor:
     return inverse
 
 
+# Eager under compile=...: its shapes follow the routing (counts read on the host between the collectives), so
+# a compiled block runs the rest of itself as graphs around this call.
+@torch.compiler.disable
 def dispatch_combine(
     hidden_states: Tensor,
     top_k_index: Tensor,

@@ -8,8 +8,9 @@ Rows arrive grouped expert by expert (``counts[e]`` rows for local expert ``e``)
 Where torch 2.13's grouped GEMM runs (checked): CPU, float32 / bfloat16 / float16, when every non-unit stride
 and the data pointers are multiples of 16 bytes (else "strides should be multiple of 16 bytes"), forward and
 backward, empty groups and zero rows included; its backward refuses a gradient with zero strides (an expanded
-``sum()`` gradient), hence the contiguity hook. CUDA: bfloat16 on SM80+ per torch's documentation. Anything
-else (float64, unaligned widths) takes the loop.
+``sum()`` gradient), hence the contiguity hook. CUDA: bfloat16 on SM80+ per torch's documentation. Under
+``torch.compile`` bfloat16 only (the op's meta function refuses the rest). Anything else (float64, unaligned
+widths) takes the loop.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def grouped_mm_runs(rows: Tensor, weight: Tensor) -> bool:
     """Whether ``rows [R, K] @ weight [E, K, N]`` (grouped) can go to torch's grouped GEMM kernel here."""
     if rows.dtype != weight.dtype or rows.device != weight.device or rows.device.type not in ("cpu", "cuda"):
         return False
+    if torch.compiler.is_compiling():
+        # Traced (compile=...): the op's meta function (torch 2.13) takes bfloat16 alone, whatever the device's
+        # kernel runs eagerly; other dtypes take the loop, which compiles as plain matmuls.
+        return rows.dtype == torch.bfloat16
     return _aligned(rows) and _aligned(weight) and _kernel_runs(rows.device.type, rows.dtype)
 
 
