@@ -187,7 +187,7 @@ def _checkpoint_job(root: str) -> dict[str, Any]:
     }
 
 
-def test_a_sharded_checkpoint_reshards_between_expert_parallel_layouts(tmp_path):
+def test_a_sharded_checkpoint_reshards_between_expert_parallel_layouts_and_exports(tmp_path):
     for rank in run_ranks(_checkpoint_job, str(tmp_path)):
         saved = rank["saved"]
         for name, weights in [*rank["loaded"].items(), ("load_from_checkpoint", rank["one"])]:
@@ -198,6 +198,18 @@ def test_a_sharded_checkpoint_reshards_between_expert_parallel_layouts(tmp_path)
             torch.testing.assert_close(
                 rank["into_ep"][key], value, rtol=0, atol=0, msg=f"no ep -> ep2: {key}"
             )
+    # `lightning-shard export` of the checkpoint written under expert parallelism: a Hugging Face directory whose
+    # model gives the trained model's logits exactly.
+    from transformers import AutoModelForCausalLM
+
+    from lightning_shard.checkpoint import export_hf
+
+    path = str(tmp_path / "ep.ckpt")
+    export_hf(path, str(tmp_path / "hf"), config=MoELM().model.config, prefix="model.")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float()
+    trained = MoELM.load_from_checkpoint(path, map_location="cpu")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(exported(input_ids=ids).logits, trained.model(input_ids=ids).logits)
 
 
 DEMO = dict(vocab_size=VOCAB, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, max_steps=STEPS)
