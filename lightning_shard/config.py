@@ -261,7 +261,6 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
         return
     limits = {
         "engine='deepspeed'": engine == "deepspeed",
-        "stage='auto'": stage == "auto",
         "stage=1": stage == 1,
         f"tensor_parallel_size={flags.tensor_parallel_size}": flags.tensor_parallel_size > 1,
         "gradient_compression": flags.gradient_compression is not None,
@@ -270,8 +269,9 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
         if hit:
             raise ValueError(
                 f"ShardStrategy(expert_parallel_size={size}, {flag}) is not available: expert parallelism runs on"
-                " the FSDP2 engine at stages 0, 2 and 3, without tensor parallelism or gradient compression"
-                " (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2 or 3, or expert_parallel_size=1."
+                " the FSDP2 engine at stages 0, 2 and 3 (or 'auto', which chooses among them), without tensor"
+                " parallelism or gradient compression (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2, 3"
+                " or 'auto', or expert_parallel_size=1."
             )
 
 

@@ -162,9 +162,14 @@ def test_no_expert_parallelism_where_the_strategy_refuses_it():
     assert "expert_parallel_size" not in str(stage_1.strategy)
     tp = plan(module=gpt, world_size=4, device_memory="100GB", stage=3, tensor_parallel_size=2)
     assert "expert_parallel_size" not in str(tp.strategy)
-    # ShardStrategy(stage="auto") plans with the strategy's own expert_parallel_size: 1, never searched.
+    # ShardStrategy(stage="auto") plans with the strategy's own expert_parallel_size, never searched, and never
+    # chooses stage 1 with it (the strategy refuses the pair).
     auto = choose_stage(gpt, 4, 10**11, "32-true", 1, 128)
     assert "expert_parallel_size" not in auto.strategy_kwargs()
+    big = _moe_gpt(d_model=512, n_layers=8)
+    for memory in (10**9, 10**11):
+        chosen = choose_stage(big, 4, memory, "32-true", 1, 128, expert_parallel_size=4).strategy_kwargs()
+        assert chosen["expert_parallel_size"] == 4 and chosen["stage"] != 1, chosen
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------

@@ -61,13 +61,16 @@ def choose(
     context_parallel_method: str = "allgather",
     tiled_mlp: bool = False,
     tiled_loss: bool = False,
+    expert_parallel_size: int = 1,
 ) -> tuple[int, str | None]:
     """Return (stage, activation checkpointing policy or None) for ``stage="auto"``.
 
     The mesh sizes are the strategy's, planned as fixed: with ``replicate_size > 1`` (HSDP) only
     stages 2 and 3 are candidates. With ``context_parallel_size`` = c the first batch's sequence (read
     before the strategy cuts it) is planned as ``seq_len / c`` tokens per rank plus what the method's
-    attention keeps of the whole. ``tiled_mlp`` / ``tiled_loss``: the strategy's tiling, planned as such.
+    attention keeps of the whole. ``tiled_mlp`` / ``tiled_loss``: the strategy's tiling, planned as such;
+    ``expert_parallel_size``: the strategy's experts per rank (stage 1, which expert parallelism refuses, is
+    never chosen with it).
     """
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")
@@ -99,6 +102,7 @@ def choose(
         context_parallel_method=context_parallel_method,
         tiled_mlp=tiled_mlp,
         tiled_loss=tiled_loss,
+        expert_parallel_size=expert_parallel_size,
     )
     kwargs = plan.strategy_kwargs()
     stage = int(kwargs["stage"])
@@ -139,6 +143,7 @@ def choose_for(strategy: Any, trainer: Any) -> tuple[int, Any]:
         context_parallel_method=config.context_parallel_method,
         tiled_mlp=config.tiled_mlp is not False,
         tiled_loss=config.tiled_loss is not False,
+        expert_parallel_size=config.expert_parallel_size,
     )
     if chosen_policy is not None:
         checkpointing = ActivationCheckpointingConfig.from_flag(chosen_policy)
