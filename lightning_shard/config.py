@@ -262,16 +262,15 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
     limits = {
         "engine='deepspeed'": engine == "deepspeed",
         "stage=1": stage == 1,
-        f"tensor_parallel_size={flags.tensor_parallel_size}": flags.tensor_parallel_size > 1,
         "gradient_compression": flags.gradient_compression is not None,
     }
     for flag, hit in limits.items():
         if hit:
             raise ValueError(
                 f"ShardStrategy(expert_parallel_size={size}, {flag}) is not available: expert parallelism runs on"
-                " the FSDP2 engine at stages 0, 2 and 3 (or 'auto', which chooses among them), without tensor"
-                " parallelism or gradient compression (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2, 3"
-                " or 'auto', or expert_parallel_size=1."
+                " the FSDP2 engine at stages 0, 2 and 3 (or 'auto', which chooses among them), without gradient"
+                " compression (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2, 3 or 'auto', or"
+                " expert_parallel_size=1."
             )
 
 

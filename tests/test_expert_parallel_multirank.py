@@ -56,7 +56,9 @@ class MoELM(L.LightningModule):
 Case = tuple[str, str, int, dict[str, dict[str, Any]]]
 
 
-def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int) -> dict[str, Any]:
+def _fit(
+    strategy: Any, world: int, family: str, optimizer: str, accumulate: int, tp: int = 1
+) -> dict[str, Any]:
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=world,
@@ -65,7 +67,7 @@ def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int
         **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate),
     )
     module = MoELM(family, optimizer)
-    trainer.fit(module, loader(2))
+    trainer.fit(module, loader(2, tensor_parallel_size=tp))  # a tensor-parallel group's ranks read one batch
     shards = expert_shards(module)
     held = {  # the expert weights expert parallelism split (on the expert mesh: not a shared expert's)
         name: tuple(p.to_local().shape)
@@ -89,11 +91,13 @@ def _side_by_side(cases: list[Case]) -> list[dict[str, Any]]:
     world = int(os.environ["WORLD_SIZE"])
     out = []
     for family, optimizer, accumulate, runs in cases:
+        tp = max(flags.get("tensor_parallel_size", 1) for flags in runs.values())
         results = {
-            name: _fit(ShardStrategy(**flags), world, family, optimizer, accumulate)
+            name: _fit(ShardStrategy(**flags), world, family, optimizer, accumulate, tp)
             for name, flags in runs.items()
         }
-        results["ddp"] = _fit(DDPStrategy(), world, family, optimizer, accumulate)
+        # Under DDP each rank reads the batch of its tensor-parallel group: the same mean over the same batches.
+        results["ddp"] = _fit(DDPStrategy(), world, family, optimizer, accumulate, tp)
         out.append(results)
     return out
 
@@ -124,7 +128,10 @@ def _check(ranks: list[list[dict[str, Any]]], cases: list[Case]) -> None:
                 # shards each block over the ranks left (stages 2-3: shard / ep of them; replicas hold copies).
                 ep, replicas = flags["expert_parallel_size"], flags.get("replicate_size", 1)
                 assert flags["stage"] in ("auto", run["stage"]) and run["stage"] != 1, (where, run["stage"])
-                left = world // replicas // ep if run["stage"] >= 2 else 1
+                shard = (
+                    world // replicas // flags.get("tensor_parallel_size", 1)
+                )  # the mesh's shard dimension
+                left = shard // ep if run["stage"] >= 2 else 1
                 assert run["held"] and {shape[0] for shape in run["held"].values()} == {
                     EXPERTS // ep // left
                 }, where
@@ -150,6 +157,8 @@ TWO_RANKS: list[Case] = [
 FOUR_RANKS: list[Case] = [
     ("mixtral", "sgd", 2, {"ep2 x dp2 stage 3": _ep(3), "ep2 x hsdp2 stage 2": _ep(2, replicate_size=2)}),
     ("qwen3_moe", "adamw", 1, {"ep2 x dp2 stage 0": _ep(0)}),
+    # Experts replicated over the tensor-parallel ranks (the attention split by Mixtral's own plan).
+    ("mixtral", "sgd", 1, {"tp2 x ep2 stage 3": _ep(3, tensor_parallel_size=2)}),
 ]
 
 

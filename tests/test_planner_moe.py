@@ -160,8 +160,18 @@ def test_no_expert_parallelism_where_the_strategy_refuses_it():
     gpt = _moe_gpt()
     stage_1 = plan(module=gpt, world_size=4, device_memory="100GB", stage=1)
     assert "expert_parallel_size" not in str(stage_1.strategy)
-    tp = plan(module=gpt, world_size=4, device_memory="100GB", stage=3, tensor_parallel_size=2)
-    assert "expert_parallel_size" not in str(tp.strategy)
+    # With tensor parallelism the experts stay whole over its ranks: a device holds (and at stage 0 keeps) E/e
+    # experts' worth, not a tp-th of it.
+    tp0 = plan(
+        module=gpt,
+        world_size=4,
+        device_memory="100GB",
+        stage=0,
+        tensor_parallel_size=2,
+        expert_parallel_size=2,
+    )
+    flat0 = plan(module=gpt, world_size=2, device_memory="100GB", stage=0, expert_parallel_size=2)
+    assert tp0.recommended.expert_parameters == flat0.recommended.expert_parameters > 0
     # ShardStrategy(stage="auto") plans with the strategy's own expert_parallel_size, never searched, and never
     # chooses stage 1 with it (the strategy refuses the pair).
     auto = choose_stage(gpt, 4, 10**11, "32-true", 1, 128)

@@ -163,7 +163,8 @@ def apply_tensor_parallel_once(module: nn.Module, tp_mesh: Any, config: ShardCon
     module (a later Trainer call finds it split)."""
     if tp_mesh is None or getattr(module, _TP_APPLIED, False):
         return
-    plan = apply_tensor_parallel(module, tp_mesh, config.tensor_parallel_plan)
+    experts_whole = config.expert_parallel_size > 1  # replicated over tp: expert parallelism holds them
+    plan = apply_tensor_parallel(module, tp_mesh, config.tensor_parallel_plan, experts_whole)
     setattr(module, _TP_APPLIED, True)
     log.info("ShardStrategy: tensor parallel over %d ranks: %s", tp_mesh.size(), plan)
 

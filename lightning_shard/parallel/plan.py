@@ -85,8 +85,12 @@ def _pattern(pattern: str, anchored: bool) -> re.Pattern[str]:
     return re.compile(("^" if anchored else r"(?:^|.*\.)") + body + "$")
 
 
-def carried_plan(model: nn.Module) -> tuple[dict[str, Any], str] | None:
-    """The plan the model carries, with patterns anchored at ``model``, and where it was found."""
+def carried_plan(model: nn.Module, experts_whole: bool = False) -> tuple[dict[str, Any], str] | None:
+    """The plan the model carries, with patterns anchored at ``model``, and where it was found.
+
+    ``experts_whole``: expert parallelism holds the experts (each rank its own, whole), so a Hugging Face plan's
+    entries for the experts modules and their weights are left out: the experts are replicated over the
+    tensor-parallel ranks, which route the same tokens, as torchtitan's non-ETP layout keeps them."""
     for name, module in model.named_modules():
         own = getattr(module, "tensor_parallel_plan", None)  # a class or an instance attribute
         prefix = clean_name(name)
@@ -101,6 +105,11 @@ def carried_plan(model: nn.Module) -> tuple[dict[str, Any], str] | None:
             where = f"{type(module).__name__}.config.base_model_tp_plan"
             styles: dict[str, Any] = {}
             for pattern, style in hf_plan.items():
+                if experts_whole and (pattern.endswith(".experts") or ".experts." in pattern):
+                    log.info(
+                        "ShardStrategy: %s (%r in %s) is expert parallelism's, whole.", pattern, style, where
+                    )
+                    continue
                 if style in _HF_KEEP_WHOLE:
                     log.info(
                         "ShardStrategy: %s (%r in %s) stays whole on every tensor-parallel rank.",
@@ -124,7 +133,9 @@ def _prefixed(plan: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
 
 
-def resolve_plan(model: nn.Module, plan: PlanSpec | None, tp_size: int) -> dict[str, Any]:
+def resolve_plan(
+    model: nn.Module, plan: PlanSpec | None, tp_size: int, experts_whole: bool = False
+) -> dict[str, Any]:
     """Module name (as ``model.named_modules()`` gives it) -> style, every pattern checked against the model.
 
     Raises ``ValueError`` naming the flag when no plan is available, a pattern matches no module, a module
@@ -132,7 +143,7 @@ def resolve_plan(model: nn.Module, plan: PlanSpec | None, tp_size: int) -> dict[
     """
     anchored = plan is None
     if plan is None:
-        found = carried_plan(model)
+        found = carried_plan(model, experts_whole)
         if found is None:
             raise ValueError(
                 f"ShardStrategy(tensor_parallel_size={tp_size}) needs a plan: {type(model).__name__} carries none"
@@ -298,9 +309,12 @@ def _sequence_region(model: nn.Module, sequence: list[str]) -> list[str]:
     return ordered
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: PlanSpec | None) -> dict[str, Any]:
-    """Split ``model``'s layers over ``tp_mesh`` (before FSDP2 shards them); returns the resolved plan."""
-    resolved = resolve_plan(model, plan, tp_mesh.size())
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: Any, plan: PlanSpec | None, experts_whole: bool = False
+) -> dict[str, Any]:
+    """Split ``model``'s layers over ``tp_mesh`` (before FSDP2 shards them); returns the resolved plan.
+    ``experts_whole``: expert parallelism holds the experts (see :func:`carried_plan`)."""
+    resolved = resolve_plan(model, plan, tp_mesh.size(), experts_whole)
     float8_wire = dist.get_backend(tp_mesh.get_group()) != "gloo"  # gloo has no float8 dtype
     parallelize_module(model, tp_mesh, to_styles(model, resolved, float8_wire))
     return resolved

@@ -209,15 +209,23 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     p, c, reduce = PRECISION_BYTES[s.precision]
     mixed = c < p
     n, mp, stage = s.world_size, s.tp * s.pp, config.stage
-    psi, trainable = s.shape.params / mp, s.shape.trainable / mp
+    ep = config.expert_parallel_size
+    # Under expert parallelism the experts stay whole over the tensor-parallel ranks (replicated: each routes
+    # the same tokens), so only pipeline stages divide them; without it a plan splits them with the rest.
+    experts = s.shape.expert_params / (s.pp if ep > 1 else mp)
+    whole_over_tp = experts - s.shape.expert_params / mp
+    psi, trainable = s.shape.params / mp + whole_over_tp, s.shape.trainable / mp + whole_over_tp
     # A device holds E / e experts of each experts module (the experts' weights count as trainable): it
     # computes with, gathers and reduces those; sharded over the N / e ranks left at stages 2-3, the state
     # per device is psi / N as without them (formulas in :mod:`.experts`).
-    unheld = 1 - 1 / config.expert_parallel_size
-    experts = s.shape.expert_params / mp
+    unheld = 1 - 1 / ep
     held_params, held_trainable = psi - experts * unheld, trainable - min(experts, trainable) * unheld
     per_module = s.shape.expert_params / s.shape.moe_layers if s.shape.moe_layers else 0.0
-    block = max(0.0, s.shape.block_params - per_module * unheld) / s.tp
+    block = (
+        max(0.0, s.shape.block_params - per_module) / s.tp + per_module / ep
+        if ep > 1
+        else s.shape.block_params / s.tp
+    )
     root = s.shape.root_params / mp
     params = (psi / n if stage >= 2 else held_params) * p
     expert_bytes = (experts / n if stage >= 2 else experts / config.expert_parallel_size) * p
