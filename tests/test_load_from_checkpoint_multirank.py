@@ -40,6 +40,9 @@ HPARAMS = dict(
     weight_decay=0.05,
     max_steps=50,
     tie_embeddings=True,
+    n_experts=0,
+    top_k=2,
+    aux_loss_coef=0.01,
 )
 BEST_STEP = 2  # the checkpoint ModelCheckpoint(monitor="pick", mode="max") keeps: not the last one
 
