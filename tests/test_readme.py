@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,19 +156,24 @@ def test_every_stage_config_parses():
         assert isinstance(cli.trainer.strategy, ShardStrategy) and cli.trainer.strategy.stage == stage
 
 
-def test_tensor_parallel_config_parses():
+def _parsed(config: str) -> Any:
+    """The LightningCLI of the demo for ``configs/<config>``, not run."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_shard import ShardStrategy
     from lightning_shard.demos import GPTModule, TextDataModule
 
-    cli = LightningCLI(
+    return LightningCLI(
         GPTModule,
         TextDataModule,
         run=False,
-        args=["--config", str(ROOT / "configs/tp2_zero3.yaml"), "--trainer.logger=false"],
+        args=["--config", str(ROOT / "configs" / config), "--trainer.logger=false"],
     )
-    strategy = cli.trainer.strategy
+
+
+def test_tensor_parallel_config_parses():
+    from lightning_shard import ShardStrategy
+
+    strategy = _parsed("tp2_zero3.yaml").trainer.strategy
     assert isinstance(strategy, ShardStrategy)
     assert strategy.config.tensor_parallel_size == 2 and strategy.layout.shard == 2
 
@@ -192,17 +198,9 @@ def test_expert_parallel_command_runs(tmp_path):
 
 
 def test_expert_parallel_config_parses():
-    from lightning.pytorch.cli import LightningCLI
-
     from lightning_shard import ShardStrategy
-    from lightning_shard.demos import GPTModule, TextDataModule
 
-    cli = LightningCLI(
-        GPTModule,
-        TextDataModule,
-        run=False,
-        args=["--config", str(ROOT / "configs/moe_ep.yaml"), "--trainer.logger=false"],
-    )
+    cli = _parsed("moe_ep.yaml")
     assert isinstance(cli.trainer.strategy, ShardStrategy)
     assert cli.trainer.strategy.config.expert_parallel_size == 2 and cli.model.hparams["n_experts"] == 8
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map_only
 
 from lightning_shard.checkpoint.layout import is_deepspeed_checkpoint
 from lightning_shard.checkpoint.storage import Location
@@ -213,7 +213,7 @@ class Session:
         if self.context_parallel is None or self.context_parallel.seq_len is None:
             return output
         # The last stage's output arrives on the CPU; the group's collectives run on the rank's device.
-        return _moved(self.gather(_moved(output, self.device)), torch.device("cpu"))
+        return move_data_to_device(self.gather(move_data_to_device(output, self.device)), "cpu")
 
     # --- state and checkpoints -------------------------------------------------------------------------
 
@@ -258,7 +258,3 @@ class Session:
             f" sharded ({owner}(checkpoint='sharded')), or start from its weights"
             " (lightning_shard.checkpoint.load_model_weights)."
         )
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    return tree_map_only(Tensor, lambda t: t.to(device), value)

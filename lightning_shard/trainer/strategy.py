@@ -305,9 +305,8 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             module.log(name, loss, sync_dist=True)
             return loss
         args, _ = session.cut(args)
-        with getattr(
-            self.precision_plugin, f"{method.split('_')[0].replace('validation', 'val')}_step_context"
-        )():
+        plugin = self.precision_plugin
+        with (plugin.val_step_context if name == "val_loss" else plugin.test_step_context)():
             return session.call(module, method, *args, **kwargs)
 
     @override
