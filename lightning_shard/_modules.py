@@ -17,6 +17,10 @@ ModuleClassSpec = type[nn.Module] | str
 #: Set on a later pipeline stage's copy of a parameter several stages use (a head tied to the embedding):
 #: the global gradient norm counts the first stage's copy only (``pipeline.runner``, ``parallel.clip``).
 TIED_COPY = "_lightning_shard_tied_copy"
+#: Set on a plain tensor standing in for a DTensor parameter (stage 1's optimizer steps plain tensors): how many
+#: ranks split the parameter's elements, which the global gradient norm reads from a DTensor's placements
+#: (an expert block: the expert-parallel size; ``parallel.clip``).
+SPLIT_OVER = "_lightning_shard_split_over"
 
 
 def import_module_class(path: str, flag: str) -> type[nn.Module]:

@@ -259,18 +259,23 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
                 " expert_parallel_size, or drop the plan."
             )
         return
+    if engine == "deepspeed" and stage not in (1, 2):
+        raise ValueError(
+            f"ShardStrategy(expert_parallel_size={size}, engine='deepspeed', stage={stage!r}) is not available:"
+            " under the DeepSpeed engine the experts are DeepSpeed MoE parameters of ZeRO-1/2, whose optimizer"
+            " partitions each block over the ranks that hold it (ZeRO-3 has no expert parallelism, stage 0 writes"
+            " one rank's optimizer state, and 'auto' could choose either). Use stage=1 or 2 with"
+            " engine='deepspeed', or engine='fsdp' at stage 0, 1, 2 or 3 (docs/expert_parallel.md)."
+        )
     limits = {
-        "engine='deepspeed'": engine == "deepspeed",
-        "stage=1": stage == 1,
         "gradient_compression": flags.gradient_compression is not None,
     }
     for flag, hit in limits.items():
         if hit:
             raise ValueError(
                 f"ShardStrategy(expert_parallel_size={size}, {flag}) is not available: expert parallelism runs on"
-                " the FSDP2 engine at stages 0, 2 and 3 (or 'auto', which chooses among them), without gradient"
-                " compression (docs/expert_parallel.md). Use engine='fsdp' with stage=0, 2, 3 or 'auto', or"
-                " expert_parallel_size=1."
+                " the FSDP2 engine at any stage, without gradient compression (docs/expert_parallel.md). Drop"
+                " gradient_compression, or use expert_parallel_size=1."
             )
 
 

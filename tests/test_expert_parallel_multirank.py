@@ -56,9 +56,10 @@ class MoELM(L.LightningModule):
 Case = tuple[str, str, int, dict[str, dict[str, Any]]]
 
 
-def _fit(
+def fit_moe(
     strategy: Any, world: int, family: str, optimizer: str, accumulate: int, tp: int = 1
-) -> dict[str, Any]:
+) -> tuple[L.Trainer, MoELM, list[float]]:
+    """``MoELM`` trained for ``STEPS`` steps with clipping on: the trainer, the module and the losses."""
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=world,
@@ -68,6 +69,13 @@ def _fit(
     )
     module = MoELM(family, optimizer)
     trainer.fit(module, loader(2, tensor_parallel_size=tp))  # a tensor-parallel group's ranks read one batch
+    return trainer, module, recorder.losses
+
+
+def _fit(
+    strategy: Any, world: int, family: str, optimizer: str, accumulate: int, tp: int = 1
+) -> dict[str, Any]:
+    trainer, module, losses = fit_moe(strategy, world, family, optimizer, accumulate, tp)
     shards = expert_shards(module)
     held = {  # the expert weights expert parallelism split (on the expert mesh: not a shared expert's)
         name: tuple(p.to_local().shape)
@@ -77,7 +85,7 @@ def _fit(
     # Rows each rank's local experts computed in the last forward, by the rank that sent them.
     received = {name: shard.received.sum(dim=1).tolist() for name, shard in shards.items()}
     return {
-        "losses": recorder.losses,
+        "losses": losses,
         "weights": full_weights(trainer),
         "held": held,
         "received": received,
@@ -124,10 +132,10 @@ def _check(ranks: list[list[dict[str, Any]]], cases: list[Case]) -> None:
                     torch.testing.assert_close(
                         run["weights"][key], weight, rtol=1e-5, atol=atol, msg=f"{where}: {key}"
                     )
-                # Each rank holds E/ep experts of each experts weight (stage 0), or its share of them when FSDP2
+                # Each rank holds E/ep experts of each experts weight (stages 0-1), or its share of them when FSDP2
                 # shards each block over the ranks left (stages 2-3: shard / ep of them; replicas hold copies).
                 ep, replicas = flags["expert_parallel_size"], flags.get("replicate_size", 1)
-                assert flags["stage"] in ("auto", run["stage"]) and run["stage"] != 1, (where, run["stage"])
+                assert flags["stage"] in ("auto", run["stage"]), (where, run["stage"])
                 shard = (
                     world // replicas // flags.get("tensor_parallel_size", 1)
                 )  # the mesh's shard dimension
@@ -147,8 +155,8 @@ def _ep(stage: int | str, **flags: Any) -> dict[str, Any]:
 
 
 TWO_RANKS: list[Case] = [
-    ("mixtral", "sgd", 1, {f"ep2 stage {s}": _ep(s) for s in (0, 2, 3)}),
-    ("qwen3_moe", "adamw", 2, {"ep2 stage 3": _ep(3), "ep2 stage 0": _ep(0)}),
+    ("mixtral", "sgd", 1, {f"ep2 stage {s}": _ep(s) for s in (0, 1, 2, 3)}),
+    ("qwen3_moe", "adamw", 2, {"ep2 stage 3": _ep(3), "ep2 stage 0": _ep(0), "ep2 stage 1": _ep(1)}),
     ("qwen3_moe", "sgd", 2, {"ep2 stage 2": _ep(2), "ep2 stage auto": _ep("auto", device_memory="16GB")}),
     ("gpt_oss", "sgd", 1, {"ep2 stage 3": _ep(3)}),
     ("deepseek_v3", "sgd", 1, {"ep2 stage 3": _ep(3)}),
@@ -156,13 +164,14 @@ TWO_RANKS: list[Case] = [
 ]
 FOUR_RANKS: list[Case] = [
     ("mixtral", "sgd", 2, {"ep2 x dp2 stage 3": _ep(3), "ep2 x hsdp2 stage 2": _ep(2, replicate_size=2)}),
-    ("qwen3_moe", "adamw", 1, {"ep2 x dp2 stage 0": _ep(0)}),
+    # Stage 1: each expert block's AdamW state partitioned over the 2 ranks holding it, the rest over all 4.
+    ("qwen3_moe", "adamw", 1, {"ep2 x dp2 stage 0": _ep(0), "ep2 x dp2 stage 1": _ep(1)}),
     # Experts replicated over the tensor-parallel ranks (the attention split by Mixtral's own plan).
     ("mixtral", "sgd", 1, {"tp2 x ep2 stage 3": _ep(3, tensor_parallel_size=2)}),
 ]
 
 
-def test_expert_parallel_over_the_world_matches_ddp_at_stages_0_2_3():
+def test_expert_parallel_over_the_world_matches_ddp_at_every_stage():
     _check(run_ranks(_side_by_side, TWO_RANKS), TWO_RANKS)
 
 
@@ -188,6 +197,7 @@ def _checkpoint_job(root: str) -> dict[str, Any]:
     for name, strategy in {
         "no ep, stage 2": ShardStrategy(stage=2),
         "ep 2, stage 0": ShardStrategy(stage=0, expert_parallel_size=2),
+        "ep 2, stage 1": ShardStrategy(stage=1, expert_parallel_size=2),
     }.items():
         again = trainer(strategy, 2)  # the checkpoint's step: resumes, then stops at once
         again.fit(MoELM(), loader(2), ckpt_path=path)
@@ -199,12 +209,24 @@ def _checkpoint_job(root: str) -> dict[str, Any]:
     plain.save_checkpoint(f"{root}/plain.ckpt")
     into_ep = trainer(ShardStrategy(stage=3, expert_parallel_size=2), 2)
     into_ep.fit(MoELM(), loader(2), ckpt_path=f"{root}/plain.ckpt")
+    # AdamW's state under expert parallelism, saved at stage 1 (each expert block's by its owner) and at stage 3,
+    # resumed at the other stage for one more step: the same weights as stage 3 resuming its own.
+    for stage in (1, 3):
+        saving = trainer(ShardStrategy(stage=stage, expert_parallel_size=2), 2)
+        saving.fit(MoELM(optimizer="adamw"), loader(2))
+        saving.save_checkpoint(f"{root}/adamw{stage}.ckpt")
+    resumed = {}
+    for saved_at, stage in ((3, 3), (1, 3), (3, 1)):
+        again = trainer(ShardStrategy(stage=stage, expert_parallel_size=2), 3)
+        again.fit(MoELM(optimizer="adamw"), loader(2), ckpt_path=f"{root}/adamw{saved_at}.ckpt")
+        resumed[f"stage {saved_at} -> {stage}"] = full_weights(again)
     return {
         "saved": saved,
         "loaded": loaded,
         "one": {k: v.float() for k, v in one.state_dict().items()},
         "plain": full_weights(plain),
         "into_ep": full_weights(into_ep),
+        "adamw": resumed,
     }
 
 
@@ -219,6 +241,10 @@ def test_a_sharded_checkpoint_reshards_between_expert_parallel_layouts_and_expor
             torch.testing.assert_close(
                 rank["into_ep"][key], value, rtol=0, atol=0, msg=f"no ep -> ep2: {key}"
             )
+        reference = rank["adamw"].pop("stage 3 -> 3")
+        for name, weights in rank["adamw"].items():
+            for key, value in reference.items():
+                torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-4, msg=f"{name}: {key}")
     # `lightning-shard export` of the checkpoint written under expert parallelism: a Hugging Face directory whose
     # model gives the trained model's logits exactly.
     from transformers import AutoModelForCausalLM

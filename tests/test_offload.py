@@ -16,7 +16,7 @@ import pytest
 from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard import offload as offload_mod
 from lightning_shard.engines import TrainSettings
-from lightning_shard.engines import deepspeed as ds_engine
+from lightning_shard.engines._ds_ops import clear_stale_build_locks
 from tests.helpers import make_engine
 
 
@@ -216,7 +216,7 @@ def test_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     fresh.write_text("")
     old = time.time() - 2 * 3600
     os.utime(stale, (old, old))
-    removed = ds_engine.clear_stale_build_locks()
+    removed = clear_stale_build_locks()
     assert removed == [stale] and not stale.exists() and fresh.exists()
 
 

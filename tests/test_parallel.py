@@ -45,11 +45,21 @@ def test_layout_orders_tp_innermost_then_shard_then_replicate():
             "unknown style 'diagonal'",
         ),
         (dict(tensor_parallel_size=2, tensor_parallel_plan={}), "non-empty mapping"),
+        (
+            dict(expert_parallel_size=2, gradient_compression="powersgd"),
+            "gradient_compression) is not available: expert parallelism runs",
+        ),
     ],
 )
 def test_flags_refused_at_construction(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ShardStrategy(**flags)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "auto"])
+def test_expert_parallelism_is_accepted_at_every_stage(stage):
+    config = ShardStrategy(stage=stage, expert_parallel_size=2).config
+    assert (config.stage, config.expert_parallel_size, config.engine) == (stage, 2, "fsdp")
 
 
 @pytest.mark.parametrize(

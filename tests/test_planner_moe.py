@@ -95,13 +95,18 @@ def test_a_parameter_count_with_experts_is_a_gpt_whose_mlps_are_experts():
 
 
 @pytest.mark.parametrize("e", [1, 2, 4, 8])
-def test_expert_bytes_per_device_divide_by_e_at_stage_0_and_by_all_ranks_at_stages_2_3(e):
+def test_expert_bytes_per_device_divide_by_e_at_stages_0_1_and_by_all_ranks_at_stages_2_3(e):
     gpt = _moe_gpt()
     total, experts = sum(p.numel() for p in gpt.parameters()), _expert_count(gpt)
     held = total - experts + experts // e  # fp32, Adam: 4 bytes each, 8 of optimizer state
     zero = _row(gpt, 0, e, micro_batch=None)
     assert zero.expert_parameters == experts * 4 // e
     assert (zero.parameters, zero.gradients, zero.optimizer) == (4 * held, 4 * held, 8 * held)
+    # Stage 1 holds the same E / e whole experts; each block's optimizer state is partitioned over the 8 / e
+    # ranks holding it, the rest over all 8: 1 / 8 of every parameter's state.
+    one = _row(gpt, 1, e, micro_batch=None)
+    assert one.expert_parameters == experts * 4 // e
+    assert (one.parameters, one.gradients, one.optimizer) == (4 * held, 4 * held, total)
     for stage in (2, 3):  # each rank's E / e experts sharded over the 8 / e ranks left: 1 / 8 of them
         row = _row(gpt, stage, e, micro_batch=None)
         assert row.expert_parameters == experts * 4 // 8
@@ -156,10 +161,11 @@ def test_expert_parallel_size_divides_the_experts_and_the_ranks_within_a_node(wo
         assert _accepted(str(result.strategy)).expert_parallel_size == e
 
 
-def test_no_expert_parallelism_where_the_strategy_refuses_it():
+def test_expert_parallelism_at_stage_1_and_with_tensor_parallelism():
     gpt = _moe_gpt()
+    # Stage 1 partitions each expert block's optimizer state over the ranks holding it: the search splits there too.
     stage_1 = plan(module=gpt, world_size=4, device_memory="100GB", stage=1)
-    assert "expert_parallel_size" not in str(stage_1.strategy)
+    assert _accepted(str(stage_1.strategy)).expert_parallel_size == 4, stage_1.strategy
     # With tensor parallelism the experts stay whole over its ranks: a device holds (and at stage 0 keeps) E/e
     # experts' worth, not a tp-th of it.
     tp0 = plan(
@@ -172,14 +178,24 @@ def test_no_expert_parallelism_where_the_strategy_refuses_it():
     )
     flat0 = plan(module=gpt, world_size=2, device_memory="100GB", stage=0, expert_parallel_size=2)
     assert tp0.recommended.expert_parameters == flat0.recommended.expert_parameters > 0
-    # ShardStrategy(stage="auto") plans with the strategy's own expert_parallel_size, never searched, and never
-    # chooses stage 1 with it (the strategy refuses the pair).
+    # ShardStrategy(stage="auto") plans with the strategy's own expert_parallel_size, never searched; stage 1 is
+    # a candidate with it (between stage 0, which no longer fits, and stage 2).
     auto = choose_stage(gpt, 4, 10**11, "32-true", 1, 128)
     assert "expert_parallel_size" not in auto.strategy_kwargs()
     big = _moe_gpt(d_model=512, n_layers=8)
-    for memory in (10**9, 10**11):
-        chosen = choose_stage(big, 4, memory, "32-true", 1, 128, expert_parallel_size=4).strategy_kwargs()
-        assert chosen["expert_parallel_size"] == 4 and chosen["stage"] != 1, chosen
+    for memory, stage in ((10**11, 0), (7.5 * 10**8, 1), (7 * 10**8, 2)):
+        chosen = choose_stage(
+            big,
+            4,
+            int(memory),
+            "32-true",
+            1,
+            128,
+            expert_parallel_size=4,
+            offload_optimizer="none",
+            offload_params="none",
+        ).strategy_kwargs()
+        assert chosen["expert_parallel_size"] == 4 and chosen["stage"] == stage, chosen
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------

@@ -37,10 +37,11 @@ import torch
 
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._pickles import DEEPSPEED_GLOBALS, check_deepspeed_pickles
-from lightning_shard.checkpoint.layout import DEEPSPEED_TAG
+from lightning_shard.checkpoint.layout import DEEPSPEED_EXPERTS, DEEPSPEED_TAG, expert_blocks_file
 
 #: Where a flat source tensor lives in a loaded file: ``("optim", i)``: the rank's i-th flat fp32 vector;
-#: ``("frozen", name)``: a frozen parameter's fragment; ``("module", name)``: a whole module entry.
+#: ``("frozen", name)``: a frozen parameter's fragment; ``("module", name)``: a whole module entry;
+#: ``("experts", name)``: an expert-parallel rank's block of an expert parameter (its own file).
 _Key = tuple[str, Any]
 
 
@@ -86,7 +87,10 @@ class ZeroReader:
             if name in buffers:
                 dtype = torch.float32 if value.is_floating_point() else value.dtype
                 self._whole(name, value, ("module", name), self._model_files[0], dtype)
-        stage = self._index_partitions(states)
+        experts = states.get(DEEPSPEED_EXPERTS)
+        stage = self._index_partitions(states, set(experts["names"]) if experts else set())
+        if experts:
+            self._index_experts(folder, experts)
         self._index_frozen(states, stage)
         for name, target in (states.get("shared_params") or {}).items():
             if target in self._entries:
@@ -121,8 +125,10 @@ class ZeroReader:
 
     # --- the index ---------------------------------------------------------------------------------
 
-    def _index_partitions(self, states: dict[str, Any]) -> int:
-        """Each trainable parameter's pieces in the optimizer files; returns the ZeRO stage."""
+    def _index_partitions(self, states: dict[str, Any], experts: set[str]) -> int:
+        """Each trainable parameter's pieces in the optimizer files; returns the ZeRO stage. The param groups of
+        ``experts`` (expert parallelism: partitioned over the ranks holding one block) are read from the blocks'
+        own files instead (:meth:`_index_experts`)."""
         sizes: list[list[int]] = []  # rank -> its flat vectors' lengths
         stage, world, paddings = 0, 0, None
         for rank, file in enumerate(self._optim_files):
@@ -140,16 +146,22 @@ class ZeroReader:
             )
         groups = [list(shapes.items()) for shapes in states["param_shapes"]]
         if stage <= 2:
-            self._index_stage12(groups, sizes, paddings)
+            self._index_stage12(groups, sizes, paddings, experts)
         else:
             self._index_stage3([p for group in groups for p in group], sizes)
         return stage
 
     def _index_stage12(
-        self, groups: list[list[tuple[str, Any]]], sizes: list[list[int]], paddings: list[list[int]] | None
+        self,
+        groups: list[list[tuple[str, Any]]],
+        sizes: list[list[int]],
+        paddings: list[list[int]] | None,
+        experts: set[str],
     ) -> None:
         world = len(sizes)
         for g, params in enumerate(groups):
+            if params and all(name in experts for name, _ in params):
+                continue
             bounds = [0]  # where each rank's piece of group g starts in the group's vector
             for rank in range(world):
                 bounds.append(bounds[-1] + sizes[rank][g])
@@ -172,6 +184,19 @@ class ZeroReader:
                 raise self._damaged(
                     f"param group {g}'s parameters need {offset} elements but its ZeRO partitions hold {bounds[-1]}"
                 )
+
+    def _index_experts(self, folder: Path, experts: dict[str, Any]) -> None:
+        """Each expert parameter whole: expert-parallel rank r's fp32 block is rows ``r * E/ep ..`` of it."""
+        size, shapes = int(experts["size"]), experts["shapes"]
+        files = [folder / expert_blocks_file(rank) for rank in range(size)]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise self._damaged(f"its expert blocks {', '.join(missing)} are missing")
+        for name in experts["names"]:
+            shape = tuple(shapes[name])
+            block = math.prod(shape) // size
+            pieces = tuple(_Piece(files[r], ("experts", name), 0, block, r * block) for r in range(size))
+            self._entries[name] = _Entry(shape, torch.float32, pieces)
 
     def _index_stage3(self, params: list[tuple[str, Any]], sizes: list[list[int]]) -> None:
         world = len(sizes)
@@ -259,6 +284,8 @@ def _flat(loaded: dict[str, Any], key: _Key) -> torch.Tensor:
         saved = loaded["optimizer_state_dict"]
         flat = saved.get("single_partition_of_fp32_groups", saved.get("fp32_flat_groups"))
         return flat[which]
+    if kind == "experts":
+        return loaded["blocks"][which].reshape(-1)
     tensor = loaded["frozen_param_fragments" if kind == "frozen" else "module"][which]
     return tensor.reshape(-1)
 

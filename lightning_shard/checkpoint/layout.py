@@ -14,6 +14,13 @@ from lightning_shard.checkpoint.storage import Location, Remote, remote_metadata
 META_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
 DEEPSPEED_TAG = "checkpoint"
+#: Expert parallelism under the DeepSpeed engine: the entry of its model-states file that names the expert
+#: blocks, and the file (in the tag folder) of the fp32 blocks of expert-parallel rank ``r``.
+DEEPSPEED_EXPERTS = "expert_parallel"
+
+
+def expert_blocks_file(rank: int) -> str:
+    return f"expert_blocks_ep_rank_{rank:02d}.pt"
 
 
 def local_path(path: str | os.PathLike, flag: str) -> Path:

@@ -30,6 +30,7 @@ import torch
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._commit import save_file
 from lightning_shard.checkpoint.layout import (
+    DEEPSPEED_EXPERTS,
     META_FILENAME,
     MODEL_KEY,
     is_deepspeed_checkpoint,
@@ -47,6 +48,7 @@ VERSION_KEY = "pytorch-lightning_version"
 RESUME_ONLY = ("optimizer_states", "lr_schedulers", "callbacks")
 #: DeepSpeed's own entries in its model-states file, beside Lightning's (``client_state``).
 DEEPSPEED_ENTRIES = (
+    DEEPSPEED_EXPERTS,
     "module",
     "buffer_names",
     "optimizer",

@@ -22,7 +22,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 import lightning_shard.checkpoint._errors as errors
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
+from lightning_shard.checkpoint._zero_reader import ZeroReader
 from lightning_shard.checkpoint.layout import (
+    DEEPSPEED_EXPERTS,
     DEEPSPEED_TAG,
     META_FILENAME,
     MODEL_KEY,
@@ -118,6 +120,9 @@ def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch
     states = deepspeed_model_states(path, weights_only)
     if states.get("param_shapes") is None:  # stage 0: no ZeRO partitions, the module is saved whole
         return {key: value.detach().float().clone() for key, value in states["module"].items()}
+    if states.get(DEEPSPEED_EXPERTS):  # expert parallelism: zero_to_fp32 does not know its expert groups
+        reader = ZeroReader(path, weights_only)
+        return reader.read(list(reader.tensors()))
     if weights_only is not False:  # zero_to_fp32 unpickles every rank's files with weights_only=False
         check_deepspeed_pickles(sorted((path / DEEPSPEED_TAG).glob("*.pt")))
     # DeepSpeed's own reconstruction of fp32 weights from every rank's ZeRO partitions.

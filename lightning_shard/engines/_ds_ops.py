@@ -10,8 +10,19 @@ build-ops`` builds them once, before any job, into the same cache. (DeepSpeed's 
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_shard._compat import build_directory
+
+log = logging.getLogger(__name__)
+#: A JIT-build lock older than this belongs to a build that died.
+STALE_LOCK_SECONDS = 30 * 60
 
 #: (DeepSpeed builder class, what loads it, the accelerators it is loaded on: None for every one). The
 #: accelerator's own builder class is used for each.
@@ -72,3 +83,47 @@ def _builder(accelerator: Any, name: str) -> Any:
     except (AttributeError, ImportError, ValueError):
         return None
     return builder_class() if builder_class is not None else None
+
+
+def cpu_adam(optimizer: Optimizer, offload: str | None) -> Optimizer:
+    """With optimizer offload, a torch ``Adam`` / ``AdamW`` as DeepSpeed's ``DeepSpeedCPUAdam`` with the same param
+    groups and hyperparameters (a torch optimizer stepping on host memory is the slow path DeepSpeed warns of)."""
+    if offload is None or type(optimizer) not in (
+        torch.optim.Adam,
+        torch.optim.AdamW,
+    ):
+        return optimizer
+    clear_stale_build_locks()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional: DeepSpeed
+
+    defaults = optimizer.defaults
+    if defaults.get("amsgrad"):
+        raise ValueError("DeepSpeedCPUAdam has no amsgrad. Use amsgrad=False with offload_optimizer.")
+    groups = [dict(group) for group in optimizer.param_groups]
+    return DeepSpeedCPUAdam(
+        groups,
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        adamw_mode=isinstance(optimizer, torch.optim.AdamW),
+    )
+
+
+def clear_stale_build_locks(max_age_s: float = STALE_LOCK_SECONDS) -> list[Path]:
+    """Remove JIT-build ``lock`` files left by a killed build; otherwise every later build waits forever.
+
+    torch's build lock records no owner, so age is the test: a build of DeepSpeed's ops takes minutes,
+    a lock older than ``max_age_s`` belongs to a build that died.
+    """
+    try:
+        root = build_directory()
+    except Exception:  # noqa: BLE001  (no build directory yet: nothing to clear)
+        return []
+    removed = []
+    for lock in root.rglob("lock"):
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("Removing stale extension build lock %s (a killed build left it).", lock)
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed

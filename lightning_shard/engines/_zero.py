@@ -5,11 +5,20 @@ parameters. Its ``state_dict`` can only be consolidated on one rank, which neith
 reshards; here each rank contributes the entries of the parameters it owns, keyed by parameter
 name, in the same layout ``get_optimizer_state_dict`` uses at stages 2-3. So one checkpoint format
 serves every stage and any world size: a rank loads whichever entries its new partition owns.
+
+Under expert parallelism each rank holds ``E/ep`` whole experts of every experts module, a block other ranks
+do not hold; ZeroRedundancyOptimizer's step would end with a block's owner broadcasting it over every rank's.
+Here, as DeepSpeed's MoE ZeRO-1 does, the rest is partitioned over the whole group as before and each expert
+block over the ranks that hold the same block (the expert data-parallel group): its owner there steps it and
+broadcasts it to that group only (:class:`ExpertBlocks`). An expert block's state is saved as a DTensor placed
+``Shard(0)`` on the expert-parallel mesh, as the parameter is: each block once, by its owner, in the layout
+stages 0, 2 and 3 save, so a checkpoint reshards between stages and expert-parallel sizes.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,11 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_shard._modules import TIED_COPY
+from lightning_shard._modules import SPLIT_OVER, TIED_COPY
 from lightning_shard.engines._shm import shared_memory_group
+from lightning_shard.parallel.clip import shard_count
 
 _NAMED: dict[type, type[ZeroRedundancyOptimizer]] = {}
 
@@ -61,12 +71,46 @@ def _stand_in(param: DTensor) -> _StandIn:
     stand_in.target = param
     if getattr(param, TIED_COPY, False):  # the clip norm counts a tied parameter's first copy only
         setattr(stand_in, TIED_COPY, True)
+    # The clip norm counts each element once: an expert block is one of ep different blocks, not a copy.
+    setattr(stand_in, SPLIT_OVER, shard_count(param))
     return stand_in
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """Expert parallelism at stage 1: the parameters that are this rank's expert blocks, and who holds them."""
+
+    params: frozenset[nn.Parameter]
+    """The experts modules' parameters (DTensors), replicated over ``data_group`` rather than the whole group."""
+    ep_mesh: Any
+    """The 1-D expert-parallel mesh the blocks are placed ``Shard(0)`` on (their saved layout)."""
+    data_group: Any
+    """The ranks that hold this rank's blocks: each block's optimizer state is partitioned over them."""
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """:class:`ExpertBlocks` in the optimizer's terms: stand-ins, and the data group's ranks in its group."""
+
+    stand_ins: frozenset[nn.Parameter]
+    members: list[int]
+    group: Any
+    ep_mesh: Any
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return param in self.stand_ins
 
 
 class _ZeroOptimizer(ZeroRedundancyOptimizer):
     #: ``(stand-in, DTensor parameter)`` pairs where the parameters are DTensors (see :func:`shard_optimizer`).
     _stand_ins: list[tuple[nn.Parameter, DTensor]] = []
+    _experts: _Experts | None = None
+    # torch's, absent from its type stub: the param groups of each rank's partition
+    _partition_parameters_cache: list[list[dict[str, Any]]]
+
+    def __init__(self, params: Any, *, experts: _Experts | None = None, **kwargs: Any) -> None:
+        self._experts = experts  # read by the partition, which torch's constructor computes
+        super().__init__(params, **kwargs)
 
     def attach_params(self) -> None:
         """Point each stand-in at its DTensor parameter's local tensor (shared, not copied), which FSDP2 may
@@ -78,9 +122,40 @@ class _ZeroOptimizer(ZeroRedundancyOptimizer):
         self.attach_params()
         return super().step(closure, **kwargs)
 
+    def _partition_parameters(
+        self, params_per_rank: list[list[torch.Tensor]] | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Torch's partition (largest parameter first, to the least-loaded rank), with expert blocks to the ranks
+        that hold them. Two independent passes: the rest's owners are then the same on every rank, and a block's
+        owner sits at the same place in every data group, so that the owners of one parameter's blocks are one
+        expert-parallel group (a full checkpoint gathers them there)."""
+        experts = self._experts
+        if experts is None or params_per_rank is not None or self._partition_parameters_cache:
+            return super()._partition_parameters(params_per_rank)  # type: ignore[misc]
+        owner: dict[torch.Tensor, int] = {}
+        for members, expert in ((list(range(self.world_size)), False), (experts.members, True)):
+            sizes = dict.fromkeys(members, 0)
+            for group in self.param_groups:
+                params = [p for p in group["params"] if experts.holds(p) == expert]
+                for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+                    owner[p] = rank = min(members, key=sizes.__getitem__)
+                    sizes[rank] += p.numel()
+        self._partition_parameters_cache = [
+            [
+                {**group, "params": [p for p in group["params"] if owner[p] == r]}
+                for group in self.param_groups
+            ]
+            for r in range(self.world_size)
+        ]
+        return self._partition_parameters_cache
+
     def _sync_params(self) -> None:
         """After a step each rank sends its updated partition to the others (torch: one broadcast per rank's
-        bucket); among CPU ranks on one host through shared memory (``engines/_shm.py``)."""
+        bucket); among CPU ranks on one host through shared memory (``engines/_shm.py``). An expert block goes
+        to the ranks of its data group only: the others hold other blocks."""
+        if self._experts is not None:
+            self._sync_with_experts(self._experts)
+            return
         buckets: list[list[torch.Tensor]] = (
             getattr(self, "_buckets", []) if self.parameters_as_bucket_view else []
         )
@@ -88,6 +163,22 @@ class _ZeroOptimizer(ZeroRedundancyOptimizer):
         if shm is not None and all(shm.gather(list(per_rank), per_rank[self.rank]) for per_rank in buckets):
             return
         super()._sync_params()  # type: ignore[misc]
+
+    def _sync_with_experts(self, experts: _Experts) -> None:
+        handles = []
+        # The rest first, over the whole group (the same broadcasts on every rank), then the blocks over each
+        # data group (the same broadcasts on every rank of it).
+        for expert, group in ((False, self.process_group), (True, experts.group)):
+            if expert and len(experts.members) == 1:
+                continue
+            for rank, rank_groups in enumerate(self._partition_parameters()):
+                src = dist.get_global_rank(self.process_group, rank)
+                for param_group in rank_groups:
+                    for p in param_group["params"]:
+                        if experts.holds(p) == expert:
+                            handles.append(dist.broadcast(p.data, src=src, group=group, async_op=True))
+        for handle in handles:
+            handle.wait()
 
 
 def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
@@ -108,12 +199,15 @@ def named_zero_class(optimizer_class: type) -> type[ZeroRedundancyOptimizer]:
     return _NAMED[optimizer_class]
 
 
-def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyOptimizer:
+def shard_optimizer(
+    optimizer: Optimizer, process_group: Any, experts: ExpertBlocks | None = None
+) -> ZeroRedundancyOptimizer:
     """A ZeroRedundancyOptimizer of the same class, hyperparameters and param groups as ``optimizer``.
 
     DTensor parameters (replicated over ``process_group`` by FSDP2's ``replicate()``: pipeline stages,
-    tensor parallelism), which ZeroRedundancyOptimizer cannot broadcast, are each given to it as a plain
-    stand-in that shares the parameter's local tensor and gradient (:class:`_StandIn`).
+    expert parallelism), which ZeroRedundancyOptimizer cannot broadcast, are each given to it as a plain
+    stand-in that shares the parameter's local tensor and gradient (:class:`_StandIn`). ``experts``: the
+    expert blocks, partitioned over their data group (module docstring).
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
@@ -130,6 +224,7 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
         group["params"] = params
     zero = named_zero_class(type(optimizer))(
         groups,
+        experts=None if experts is None else _expert_stand_ins(experts, stand_ins, process_group),
         optimizer_class=type(optimizer),
         process_group=process_group,
         # After each step every rank sends its updated parameters to the others: from one flat bucket
@@ -141,6 +236,20 @@ def shard_optimizer(optimizer: Optimizer, process_group: Any) -> ZeroRedundancyO
     )
     zero._stand_ins = stand_ins  # type: ignore[attr-defined]
     return zero
+
+
+def _expert_stand_ins(
+    experts: ExpertBlocks, stand_ins: list[tuple[nn.Parameter, DTensor]], process_group: Any
+) -> _Experts:
+    members = [
+        dist.get_group_rank(process_group, r) for r in dist.get_process_group_ranks(experts.data_group)
+    ]
+    return _Experts(
+        frozenset(stand_in for stand_in, p in stand_ins if p in experts.params),
+        sorted(members),
+        experts.data_group,
+        experts.ep_mesh,
+    )
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
@@ -175,10 +284,7 @@ def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[
     assert isinstance(zero, ZeroRedundancyOptimizer)
     names = _param_names(model, zero)
     state = {
-        names[p]: {
-            k: (v.detach().cpu() if full and torch.is_tensor(v) else v)
-            for k, v in zero.optim.state[p].items()
-        }
+        names[p]: {k: _saved(zero, p, v, full) for k, v in zero.optim.state[p].items()}
         for p in _local_params(zero)
         if p in zero.optim.state
     }
@@ -202,12 +308,7 @@ def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[
             for k, md in entries.items()
             if k.startswith(prefix) and "." not in k[len(prefix) :]
         }
-        state[names[p]] = {
-            name: torch.empty(md.size, dtype=md.properties.dtype)
-            if isinstance(md, TensorStorageMetadata)
-            else None
-            for name, md in fields.items()
-        }
+        state[names[p]] = {name: _empty(zero, p, md) for name, md in fields.items()}
     return {"state": state, "param_groups": _global_groups(zero, names)}
 
 
@@ -220,7 +321,7 @@ def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dic
         entry = saved.get(names[p])
         if entry is None:
             continue
-        zero.optim.state[p] = {k: _to_param_device(v, p) for k, v in entry.items()}
+        zero.optim.state[p] = {k: _to_param_device(_loaded(zero, p, v), p) for k, v in entry.items()}
     groups = state_dict["param_groups"]
     if len(groups) != len(zero.param_groups):
         raise ValueError(
@@ -236,3 +337,49 @@ def _to_param_device(value: Any, param: nn.Parameter) -> Any:
     if not torch.is_tensor(value):
         return value
     return value.to(param.device) if value.dim() > 0 else value.clone()
+
+
+# --- expert blocks' state: DTensors on the expert-parallel mesh, as the parameters ---------------------------
+
+
+def _block_experts(zero: ZeroRedundancyOptimizer, param: nn.Parameter, shape: Any) -> _Experts | None:
+    """The expert set-up where a state of ``shape`` is per element of an expert block (``exp_avg``, not
+    ``step``): shaped as the block, or as the whole ``[E, ...]`` parameter (a full checkpoint's)."""
+    experts = getattr(zero, "_experts", None)
+    if experts is None or not isinstance(param, _StandIn) or not experts.holds(param) or len(shape) == 0:
+        return None
+    return experts if tuple(shape) in (tuple(param.shape), tuple(param.target.shape)) else None
+
+
+def _saved(zero: ZeroRedundancyOptimizer, param: nn.Parameter, value: Any, full: bool) -> Any:
+    if not torch.is_tensor(value):
+        return value
+    experts = _block_experts(zero, param, value.shape)
+    if experts is not None:
+        block = DTensor.from_local(value, experts.ep_mesh, [Shard(0)], run_check=False)
+        # A full checkpoint: the owners of this parameter's blocks are one expert-parallel group.
+        return block.full_tensor().cpu() if full else block
+    return value.detach().cpu() if full else value
+
+
+def _empty(zero: ZeroRedundancyOptimizer, param: nn.Parameter, md: Any) -> Any:
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    experts = _block_experts(zero, param, md.size)
+    if experts is None or tuple(md.size) == tuple(param.shape):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    # This rank's block only: DCP reads it from wherever the checkpoint's stage put it.
+    block = torch.empty(param.shape, dtype=md.properties.dtype)
+    return DTensor.from_local(block, experts.ep_mesh, [Shard(0)], run_check=False)
+
+
+def _loaded(zero: ZeroRedundancyOptimizer, param: nn.Parameter, value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if not torch.is_tensor(value):
+        return value
+    experts = _block_experts(zero, param, value.shape)
+    if experts is None or value.shape == param.shape:
+        return value
+    rows = param.shape[0]  # a full checkpoint's whole [E, ...]: this rank's E/ep rows
+    return value.narrow(0, experts.ep_mesh.get_local_rank() * rows, rows).clone()

@@ -18,7 +18,6 @@ done by DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from torch.optim import Optimizer
 
 from lightning_shard import checkpoint as ckpt
 from lightning_shard import offload
-from lightning_shard._compat import build_directory
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
@@ -37,17 +35,19 @@ from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
+from lightning_shard.engines import _deepspeed_experts as experts
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
     DeepSpeedPrecision,
     check_device_precision,
     check_precision,
 )
+from lightning_shard.engines._ds_ops import cpu_adam
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
+from lightning_shard.parallel.mesh import expert_meshes
 
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
-_STALE_LOCK_SECONDS = 30 * 60
 #: Set on a module once this engine has set it up (a later Trainer call finds it partitioned by the fit).
 _SET_UP = "_lightning_shard_deepspeed_set_up"
 
@@ -84,6 +84,7 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3 gathers each block in its own hook: compiled blocks are DeepSpeed leaves (one graph per block).
         self.compiles_zero3_leaves = self.stage == 3
         self._backwards = 0  # backward calls since the last optimizer step
+        self._expert_groups: experts.ExpertGroups | None = None  # expert parallelism's param groups
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -113,6 +114,8 @@ class DeepSpeedEngine(Engine):
                 type(module).__name__,
             )
         setattr(module, _SET_UP, True)
+        if experts.has_experts(module):  # the expert blocks as DeepSpeed MoE parameters
+            experts.make_local(module)
         if any(hasattr(p, "ds_process_group") for p in module.parameters()):
             import deepspeed  # optional: DeepSpeed
 
@@ -203,34 +206,22 @@ class DeepSpeedEngine(Engine):
             offload.check_nvme_path(self.config.nvme_path, self._swap_bytes(module, self.run.world_size))
             offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
         deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
-        optimizer = self._offload_optimizer(optimizers[0])
+        optimizer = optimizers[0]
+        self._expert_groups = None
+        if experts.has_experts(module):
+            assert self.run.expert_mesh is not None
+            experts.register_groups(*expert_meshes(self.run.expert_mesh))
+            self._expert_groups = experts.split_groups(optimizer)
+            optimizer = self._expert_groups.optimizer
+        optimizer = cpu_adam(optimizer, self.config.offload_optimizer)
+        if self._expert_groups is not None:
+            engine, ds_optimizer = experts.initialize(module, optimizer, config)
+            return engine, ds_optimizer, optimizer
         # No mpu: DeepSpeed's data-parallel group is the world, context-parallel ranks among it, so its mean
         # of the gradients undoes the weight the strategy gave each rank's loss (docs/context_parallel.md).
         # DeepSpeed's own sequence parallelism (an mpu with a sequence group) would sum over those ranks.
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine, ds_optimizer, optimizer
-
-    def _offload_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.config.offload_optimizer is None or type(optimizer) not in (
-            torch.optim.Adam,
-            torch.optim.AdamW,
-        ):
-            return optimizer
-        clear_stale_build_locks()
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # optional: DeepSpeed
-
-        defaults = optimizer.defaults
-        if defaults.get("amsgrad"):
-            raise ValueError("DeepSpeedCPUAdam has no amsgrad. Use amsgrad=False with offload_optimizer.")
-        groups = [dict(group) for group in optimizer.param_groups]
-        return DeepSpeedCPUAdam(
-            groups,
-            lr=defaults["lr"],
-            betas=defaults["betas"],
-            eps=defaults["eps"],
-            weight_decay=defaults["weight_decay"],
-            adamw_mode=isinstance(optimizer, torch.optim.AdamW),
-        )
 
     # --- training --------------------------------------------------------------------------------
 
@@ -252,6 +243,8 @@ class DeepSpeedEngine(Engine):
 
     def step(self, model: nn.Module, optimizer: Optimizer) -> None:
         self._backwards = 0
+        if self._expert_groups is not None:
+            self._expert_groups.follow()
         model.step()  # type: ignore[operator]
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -273,7 +266,10 @@ class DeepSpeedEngine(Engine):
         checkpoint.pop("optimizer_states", None)
 
         def write(tmp: Path) -> None:
-            model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
+            if self._expert_groups is not None:
+                experts.save(model, tmp, checkpoint, expert_meshes(self.run.expert_mesh)[1].get_local_rank())
+            else:
+                model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
 
         if isinstance(path, Remote):  # DeepSpeed writes local files only
             write_staged(path, write, self.run.is_global_zero, self.run.barrier)
@@ -296,6 +292,9 @@ class DeepSpeedEngine(Engine):
         if not hasattr(model, "load_checkpoint"):
             return self._load_weights_only(model, path)
         run = self.run
+        experts.check_resume(path, model, run.world_size)
+        if self._expert_groups is not None:
+            return {k: v for k, v in experts.load(model, path).items() if k not in DEEPSPEED_ENTRIES}
         # Saved on another world size: through DeepSpeed's universal checkpoint (or its weights alone).
         moved = load_into_deepspeed(
             model, path, run.world_size, run.is_global_zero, run.barrier, self.precision.is_mixed
@@ -316,6 +315,7 @@ class DeepSpeedEngine(Engine):
         Parameters an earlier fit partitioned (ZeRO-3) are filled through DeepSpeed's gather: a plain
         ``load_state_dict`` would copy into their empty local storage and change nothing."""
         weights = ckpt.load_model_weights(path, weights_only=False)  # its files were checked above
+        weights = experts.local_weights(model, weights)  # expert parallelism: this rank's blocks
         state = deepspeed_model_states(path)
         ckpt.load_full_state_dict(
             model, weights, path, self.run.is_global_zero, state.get("hyper_parameters")
@@ -423,22 +423,3 @@ def _rebind_partitioned(module: nn.Module) -> None:
     group = groups._get_sequence_data_parallel_group()
     for param in partitioned:
         param.ds_process_group = group
-
-
-def clear_stale_build_locks(max_age_s: float = _STALE_LOCK_SECONDS) -> list[Path]:
-    """Remove JIT-build ``lock`` files left by a killed build; otherwise every later build waits forever.
-
-    torch's build lock records no owner, so age is the test: a build of DeepSpeed's ops takes minutes,
-    a lock older than ``max_age_s`` belongs to a build that died.
-    """
-    try:
-        root = build_directory()
-    except Exception:  # noqa: BLE001  (no build directory yet: nothing to clear)
-        return []
-    removed = []
-    for lock in root.rglob("lock"):
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            log.warning("Removing stale extension build lock %s (a killed build left it).", lock)
-            lock.unlink(missing_ok=True)
-            removed.append(lock)
-    return removed

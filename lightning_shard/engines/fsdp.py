@@ -135,8 +135,9 @@ class FSDPEngine(Engine):
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
         if self.stage == 1:
+            experts = self._expert_blocks(model)
             sharded: list[Optimizer] = [
-                _zero.shard_optimizer(opt, self.mesh.get_group()) for opt in optimizers
+                _zero.shard_optimizer(opt, self.mesh.get_group(), experts) for opt in optimizers
             ]
             rebind_schedulers(schedulers, optimizers, sharded)
             optimizers = sharded
@@ -165,6 +166,17 @@ class FSDPEngine(Engine):
             return None
         _, data = expert_meshes(self.run.expert_mesh)
         return expert_modules(module), data
+
+    def _expert_blocks(self, model: nn.Module) -> _zero.ExpertBlocks | None:
+        """Stage 1 under expert parallelism: the expert blocks, whose optimizer state is partitioned over the
+        ranks holding the same block (the mesh ``_replicate`` replicates them over), not the whole group."""
+        experts = self._experts(model)
+        if experts is None:
+            return None
+        ep, _ = expert_meshes(self.run.expert_mesh)
+        modules, data = experts
+        params = frozenset(p for module in modules for p in module.parameters())
+        return _zero.ExpertBlocks(params, ep, data.get_group())
 
     def _ddp(self, module: nn.Module) -> nn.Module:
         device = self.mesh.device_type

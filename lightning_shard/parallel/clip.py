@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_shard._modules import TIED_COPY
+from lightning_shard._modules import SPLIT_OVER, TIED_COPY
 
 
-def _shards(tensor: Tensor) -> int:
+def shard_count(tensor: Tensor) -> int:
+    """How many ranks split the elements of ``tensor`` (1 for a plain tensor)."""
     if not isinstance(tensor, DTensor):
         return 1
     count = 1
@@ -43,7 +44,8 @@ def grad_norm(parameters: Iterable[Tensor], pipeline_stages: int = 1) -> Tensor:
         ):  # a tied parameter's later copy: counted on its first stage
             continue
         local = g.to_local() if isinstance(g, DTensor) else g
-        squares = local.detach().double().pow(2).sum() * (_shards(g) * pipeline_stages / world)
+        shards = getattr(p, SPLIT_OVER, None) or shard_count(g)
+        squares = local.detach().double().pow(2).sum() * (shards * pipeline_stages / world)
         total = squares if total is None else total + squares.to(total.device)
     if total is None:  # no gradient here: still join the all-reduce, on the device the backend uses
         nccl = world > 1 and dist.get_backend() == "nccl"

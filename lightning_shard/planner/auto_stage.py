@@ -69,8 +69,7 @@ def choose(
     stages 2 and 3 are candidates. With ``context_parallel_size`` = c the first batch's sequence (read
     before the strategy cuts it) is planned as ``seq_len / c`` tokens per rank plus what the method's
     attention keeps of the whole. ``tiled_mlp`` / ``tiled_loss``: the strategy's tiling, planned as such;
-    ``expert_parallel_size``: the strategy's experts per rank (stage 1, which expert parallelism refuses, is
-    never chosen with it).
+    ``expert_parallel_size``: the strategy's experts per rank, planned at every stage.
     """
     memory = (
         parse_size(device_memory, "ShardStrategy(device_memory)")

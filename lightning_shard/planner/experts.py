@@ -10,11 +10,13 @@ Under ``ShardStrategy(expert_parallel_size=e)`` (docs/expert_parallel.md) ``e`` 
 dimension of ``N`` ranks (the data-parallel ranks of one shard group, context-parallel ranks included) each hold
 ``E / e`` whole experts, and at stages 2-3 FSDP2 shards each rank's expert block over the ``N / e`` ranks left::
 
-    expert parameters per device    stage 0:  Ψ_E / e        stages 2-3:  (Ψ_E / e) / (N / e) = Ψ_E / N
+    expert parameters per device    stages 0-1:  Ψ_E / e        stages 2-3:  (Ψ_E / e) / (N / e) = Ψ_E / N
 
-and their gradients and optimizer state alike (the other ``Ψ - Ψ_E`` as without experts). So at stage 0
-expert parallelism divides the experts' state by ``e``; at stages 2-3 the state per device is the same, but
-what a device gathers is: its ``E / e`` experts of a unit, not all ``E``.
+and their gradients and optimizer state alike (the other ``Ψ - Ψ_E`` as without experts), except that stage 1
+partitions each block's optimizer state over the ``N / e`` ranks holding the block (as ZeRO-1 partitions the
+rest over all ``N``): ``Ψ_E / N`` of it per device. So at stages 0-1 expert parallelism divides the experts'
+parameters and gradients by ``e``; at stages 2-3 the state per device is the same, but what a device gathers
+is: its ``E / e`` experts of a unit, not all ``E``.
 
 Each MoE layer sends every token's ``k`` rows to the experts' ranks and back by all-to-all. What autograd
 keeps of them (each pair's routed input and output, ``k h (r + c)`` per token and layer) an MoE block keeps

@@ -9,7 +9,8 @@ stages 0 and 3. Offloading moves bytes to host memory: ``offload_optimizer`` the
 optimizer steps on the host) the gradient shards as well. Which flag combinations run at all is the
 strategy's rule, not this module's: :mod:`lightning_shard.planner.accepted` asks ``ShardConfig``.
 With ``expert_parallel_size`` = e a device holds E / e experts of each experts module: the experts' Ψ_E
-count Ψ_E / e at stage 0 and Ψ_E / N at stages 2-3, its parameter copies and gradient buffers are of
+count Ψ_E / e at stages 0-1 and Ψ_E / N at stages 2-3 (their optimizer state Ψ_E / N from stage 1: each
+block's partitioned over the N / e ranks holding it), its parameter copies and gradient buffers are of
 those E / e, and the all-to-all's buffers join the working buffers (:mod:`lightning_shard.planner.experts`).
 
 Working buffers are what exists only during a step, on top of the model state and activations:
@@ -230,6 +231,7 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     params = (psi / n if stage >= 2 else held_params) * p
     expert_bytes = (experts / n if stage >= 2 else experts / config.expert_parallel_size) * p
     grads = (trainable / n if stage >= 2 else held_trainable) * p
+    # Stage 1 partitions the rest over N ranks and each expert block over the N / e holding it: Ψ_E / N too.
     optim = (trainable / n if stage >= 1 else held_trainable) * OPTIMIZER_STATES[s.optimizer] * p
     host = 0.0
     if config.offload_optimizer != "none":

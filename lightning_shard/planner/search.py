@@ -372,8 +372,8 @@ def choose_stage(
     (HSDP) the sharded state divides over one shard group and only stages 2-3 are weighed; with
     ``context_parallel_size`` > 1 each rank's activations are those of ``seq_len / c`` tokens plus what the
     method's attention keeps of the whole sequence; ``tiled_mlp`` / ``tiled_loss`` are the strategy's tiling;
-    ``expert_parallel_size`` is the strategy's own (its experts per rank; stage 1 is not a candidate with it).
-    If nothing fits, ``plan.recommended`` is the
+    ``expert_parallel_size`` is the strategy's own (its experts per rank, at every stage). If nothing fits,
+    ``plan.recommended`` is the
     configuration with the fewest bytes and ``plan.fits`` is False (warn, and train with it: the plan
     is an estimate). Read ``plan.stage``, ``plan.strategy_kwargs()`` and log ``plan.table()``.
     """

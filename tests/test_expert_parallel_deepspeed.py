@@ -1,0 +1,149 @@
+"""``ShardStrategy(engine='deepspeed', expert_parallel_size=...)``: DeepSpeed ZeRO-1/2 with the experts split over
+the ranks, side by side with Lightning's ``DDPStrategy`` on the same ranks and data, and its checkpoints.
+
+Each rank holds ``E/ep`` experts as plain ``[E/ep, ...]`` blocks that DeepSpeed reduces over the ranks holding
+the same block only (its MoE parameter groups); the tokens reach them by all-to-all. Clipping is on and the
+router's auxiliary loss is in the loss (``MoELM``), SGD with lr 0.5: a wrong expert-gradient scale, an expert
+block averaged with another rank's, or an expert counted twice in the clip norm moves the losses far off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.expert_parallel import expert_shards
+from tests.helpers import loader, trainer_kwargs
+from tests.test_expert_parallel_multirank import EXPERTS, STEPS, MoELM, fit_moe
+
+pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
+
+
+def _held(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The expert weights each rank holds (a plain block under DeepSpeed, whole under DDP)."""
+    return {name: tuple(p.shape) for name, p in module.named_parameters() if ".experts." in name}
+
+
+def _weights(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """The weights this rank holds, experts as their blocks: ``(name, first expert)`` -> tensor."""
+    first = {
+        f"{name}.{p}": m.expert_shard.first
+        for name, m in module.named_modules()
+        if getattr(m, "expert_shard", None) is not None
+        for p, _ in m.named_parameters(recurse=False)
+    }
+    return {k: (v.detach().float().clone(), first.get(k, 0)) for k, v in module.state_dict().items()}
+
+
+def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int) -> dict[str, Any]:
+    trainer, module, losses = fit_moe(strategy, world, family, optimizer, accumulate)
+    received = {name: s.received.sum(dim=1).tolist() for name, s in expert_shards(module).items()}
+    return {
+        "losses": losses,
+        "weights": _weights(module),
+        "held": _held(module),
+        "received": received,
+        "trainer": trainer,
+        "module": module,
+    }
+
+
+Case = tuple[str, str, int, int]  # (family, optimizer, accumulate, ZeRO stage)
+TWO_RANKS: list[Case] = [("mixtral", "sgd", 1, 2), ("qwen3_moe", "adamw", 2, 2)]
+# Each expert block held by 2 ranks: reduced over them only, its ZeRO partitions split between them.
+FOUR_RANKS: list[Case] = [("mixtral", "sgd", 2, 2), ("qwen3_moe", "sgd", 1, 1)]
+
+
+def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    world = int(os.environ["WORLD_SIZE"])  # read first: a fit can leave the environment without it
+    out: dict[str, Any] = {"cases": []}
+    for family, optimizer, accumulate, stage in cases:
+        ds = _fit(
+            ShardStrategy(engine="deepspeed", stage=stage, expert_parallel_size=2),
+            world,
+            family,
+            optimizer,
+            accumulate,
+        )
+        ddp = _fit(DDPStrategy(), world, family, optimizer, accumulate)
+        out["cases"].append({k: v for k, v in ds.items() if k not in ("trainer", "module")})
+        out["cases"][-1]["ddp"] = {k: ddp[k] for k in ("losses", "weights", "held")}
+    if world > 2:
+        return out
+    # A ZeRO-2 checkpoint: resumed on the same layout, its full weights read back, another layout refused.
+    path = f"{root}/ds_ep.ckpt"
+    first = _fit(
+        ShardStrategy(engine="deepspeed", stage=2, expert_parallel_size=2), world, "mixtral", "adamw", 1
+    )
+    first["trainer"].save_checkpoint(path)
+    resumed = L.Trainer(
+        devices=world,
+        strategy=ShardStrategy(engine="deepspeed", stage=2, expert_parallel_size=2),
+        **trainer_kwargs(max_steps=STEPS),  # the checkpoint's step: resumes, then stops at once
+    )
+    module = MoELM("mixtral", "adamw")
+    resumed.fit(module, loader(2), ckpt_path=path)
+    out["saved"] = first["weights"]
+    out["resumed"] = _weights(module)
+    try:
+        other = L.Trainer(
+            devices=world,
+            strategy=ShardStrategy(engine="deepspeed", stage=2),
+            **trainer_kwargs(max_steps=STEPS),
+        )
+        other.fit(MoELM("mixtral", "adamw"), loader(2), ckpt_path=path)
+        out["refusal"] = None
+    except ValueError as err:
+        out["refusal"] = str(err)
+    return out
+
+
+def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
+    for rank, result in enumerate(ranks):
+        for (family, optimizer, accumulate, stage), run in zip(cases, result["cases"], strict=True):
+            where = f"{family}, {optimizer}, accumulate {accumulate}, ZeRO-{stage}, rank {rank}"
+            reference = run["ddp"]
+            torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
+            atol = 1e-6 if optimizer == "sgd" else 1e-4
+            for key, (weight, _) in reference["weights"].items():
+                mine, first = run["weights"][key]
+                expected = weight.narrow(0, first, mine.shape[0]) if mine.shape != weight.shape else weight
+                torch.testing.assert_close(
+                    mine, expected, rtol=1e-5, atol=atol, msg=lambda m, k=key, w=where: f"{w}: {k}: {m}"
+                )
+            # Each rank holds E/2 experts of each expert weight; DDP holds them all.
+            assert run["held"] and {s[0] for s in run["held"].values()} == {EXPERTS // 2}, where
+            assert {s[0] for s in reference["held"].values()} == {EXPERTS}, where
+            # Tokens crossed ranks: each layer's local experts computed rows sent by both ranks of the group.
+            for counts in run["received"].values():
+                assert len(counts) == 2 and all(c > 0 for c in counts), (where, counts)
+
+
+def test_deepspeed_zero2_with_expert_parallelism_matches_ddp_and_resumes(tmp_path):
+    ranks = run_ranks(_side_by_side, str(tmp_path), TWO_RANKS)
+    _check(ranks, TWO_RANKS)
+    for result in ranks:
+        for key, (value, _) in result["saved"].items():
+            torch.testing.assert_close(result["resumed"][key][0], value, rtol=0, atol=0, msg=key)
+        assert "expert_parallel_size=2" in result["refusal"] and "consolidate" in result["refusal"]
+    # Full weights from the checkpoint, without processes: every expert whole, each rank's block in its place.
+    one = MoELM.load_from_checkpoint(str(tmp_path / "ds_ep.ckpt"), map_location="cpu")
+    whole = one.state_dict()
+    assert {tuple(whole[k].shape)[0] for k in whole if ".experts." in k} == {EXPERTS}
+    for result in ranks:
+        for key, (value, first) in result["saved"].items():
+            torch.testing.assert_close(
+                whole[key].narrow(0, first, value.shape[0]), value, rtol=0, atol=0, msg=key
+            )
+
+
+def test_deepspeed_zero_1_2_with_expert_parallelism_inside_four_ranks_match_ddp(tmp_path):
+    _check(run_ranks(_side_by_side, str(tmp_path), FOUR_RANKS, world_size=4), FOUR_RANKS)
