@@ -19,8 +19,8 @@ import torch
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.expert_parallel import expert_shards
-from tests.helpers import loader, trainer_kwargs
-from tests.test_expert_parallel_multirank import EXPERTS, STEPS, MoELM, fit_moe
+from tests.helpers import LossRecorder, loader, trainer_kwargs
+from tests.test_expert_parallel_multirank import CLIP, DEMO, EXPERTS, STEPS, MoELM, fit_moe
 
 pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
 
@@ -78,6 +78,7 @@ def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
         out["cases"][-1]["ddp"] = {k: ddp[k] for k in ("losses", "weights", "held")}
     if world > 2:
         return out
+    out["demo"] = _demo(root, world)
     # A ZeRO-2 checkpoint: resumed on the same layout, its full weights read back, another layout refused.
     path = f"{root}/ds_ep.ckpt"
     first = _fit(
@@ -106,6 +107,32 @@ def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
     return out
 
 
+def _demo(root: str, world: int) -> dict[str, list[float]]:
+    """The example GPT's MoE variant built on the meta device and read from a weights file (each rank its own
+    experts' rows) under DeepSpeed ZeRO-2, against the whole model under DDP."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_shard.demos.gpt import GPTModule
+
+    path, losses = f"{root}/init.pt", {}
+    flags = dict(engine="deepspeed", stage=2, expert_parallel_size=2, init_weights=path)
+    for name, strategy in {"ds": ShardStrategy(**flags), "ddp": DDPStrategy()}.items():
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=world,
+            strategy=strategy,
+            callbacks=[recorder],
+            **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP),
+        )
+        with trainer.init_module(empty_init=name == "ds"):
+            module = GPTModule(**DEMO)
+        if name == "ddp":
+            module.load_state_dict(torch.load(path))
+        trainer.fit(module, loader(2))
+        losses[name] = recorder.losses
+    return losses
+
+
 def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
     for rank, result in enumerate(ranks):
         for (family, optimizer, accumulate, stage), run in zip(cases, result["cases"], strict=True):
@@ -128,9 +155,14 @@ def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
 
 
 def test_deepspeed_zero2_with_expert_parallelism_matches_ddp_and_resumes(tmp_path):
+    from lightning_shard.demos.gpt import GPTModule
+
+    torch.manual_seed(0)
+    torch.save(GPTModule(**DEMO).state_dict(), tmp_path / "init.pt")
     ranks = run_ranks(_side_by_side, str(tmp_path), TWO_RANKS)
     _check(ranks, TWO_RANKS)
     for result in ranks:
+        torch.testing.assert_close(result["demo"]["ds"], result["demo"]["ddp"], rtol=1e-5, atol=0)
         for key, (value, _) in result["saved"].items():
             torch.testing.assert_close(result["resumed"][key][0], value, rtol=0, atol=0, msg=key)
         assert "expert_parallel_size=2" in result["refusal"] and "consolidate" in result["refusal"]

@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.layout import DEEPSPEED_EXPERTS, DEEPSPEED_TAG, expert_blocks_file
@@ -75,6 +75,31 @@ def make_local(model: nn.Module) -> None:
             local.group_name = group_name(shard.ep_size)  # type: ignore[attr-defined]
             module._parameters[name] = local
     setattr(model, _LOCAL, True)
+
+
+@contextlib.contextmanager
+def blocks_as_dtensors(model: nn.Module) -> Iterator[None]:
+    """Inside, each expert block is seen as the ``Shard(0)`` DTensor it was made from (sharing its storage), so
+    that a reader of full weights (``init_weights``) fills each rank's rows of the whole expert tensor."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    if getattr(model, _LOCAL, False):
+        for module_name, shard in expert_shards(model).items():
+            module = model.get_submodule(module_name)
+            for name, block in list(module.named_parameters(recurse=False)):
+                if getattr(block, "group_name", None) is None:
+                    continue
+                shape = torch.Size((block.shape[0] * shard.ep_size, *block.shape[1:]))
+                stride = torch.empty(shape, device="meta").stride()
+                whole = DTensor.from_local(
+                    block.data, shard.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+                )
+                module._parameters[name] = nn.Parameter(whole, requires_grad=block.requires_grad)
+                swapped.append((module, name, block))
+    try:
+        yield
+    finally:
+        for module, name, block in swapped:
+            module._parameters[name] = block
 
 
 def register_groups(ep_mesh: Any, data_mesh: Any) -> None:

@@ -366,7 +366,8 @@ class DeepSpeedEngine(Engine):
 
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):
-            super().load_full_weights(module, path)  # whole parameters: each rank reads what it holds
+            with experts.blocks_as_dtensors(module):  # expert parallelism: each rank reads its experts' rows
+                super().load_full_weights(module, path)  # whole parameters: each rank reads what it holds
             return
         on_every_rank_init(path, lambda: _load_partitioned(module, path, self.run.is_global_zero))
 
