@@ -267,16 +267,13 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
             " one rank's optimizer state, and 'auto' could choose either). Use stage=1 or 2 with"
             " engine='deepspeed', or engine='fsdp' at stage 0, 1, 2 or 3 (docs/expert_parallel.md)."
         )
-    limits = {
-        "gradient_compression": flags.gradient_compression is not None,
-    }
-    for flag, hit in limits.items():
-        if hit:
-            raise ValueError(
-                f"ShardStrategy(expert_parallel_size={size}, {flag}) is not available: expert parallelism runs on"
-                " the FSDP2 engine at any stage, without gradient compression (docs/expert_parallel.md). Drop"
-                " gradient_compression, or use expert_parallel_size=1."
-            )
+    if flags.gradient_compression is not None:
+        raise ValueError(
+            f"ShardStrategy(expert_parallel_size={size}, gradient_compression) is not available: with expert"
+            " parallelism the gradients are reduced by FSDP2 (its replicate() at stages 0-1), which takes no DDP"
+            " communication hook (docs/expert_parallel.md). Drop gradient_compression, or use"
+            " expert_parallel_size=1."
+        )
 
 
 def _check_tiling(tiled_mlp: Any, tiled_loss: Any, pp: int) -> None:

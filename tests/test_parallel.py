@@ -47,7 +47,17 @@ def test_layout_orders_tp_innermost_then_shard_then_replicate():
         (dict(tensor_parallel_size=2, tensor_parallel_plan={}), "non-empty mapping"),
         (
             dict(expert_parallel_size=2, gradient_compression="powersgd"),
-            "gradient_compression) is not available: expert parallelism runs",
+            "gradient_compression) is not available: with expert parallelism",
+        ),
+        pytest.param(
+            dict(engine="deepspeed", stage=3, expert_parallel_size=2),
+            "Use stage=1 or 2 with engine='deepspeed'",
+            marks=pytest.mark.deepspeed,
+        ),
+        pytest.param(
+            dict(engine="deepspeed", stage=0, expert_parallel_size=2),
+            "stage 0 writes one rank's optimizer state",
+            marks=pytest.mark.deepspeed,
         ),
     ],
 )
