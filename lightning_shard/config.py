@@ -263,8 +263,9 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
         raise ValueError(
             f"ShardStrategy(expert_parallel_size={size}, engine='deepspeed', stage={stage!r}) is not available:"
             " under the DeepSpeed engine the experts are DeepSpeed MoE parameters of ZeRO-1/2, whose optimizer"
-            " partitions each block over the ranks that hold it (ZeRO-3 has no expert parallelism, stage 0 writes"
-            " one rank's optimizer state, and 'auto' could choose either). Use stage=1 or 2 with"
+            " partitions each block over the ranks that hold it (ZeRO-3 has no expert parallelism; at stage 0 its clip"
+            " norm counts only the rank's own experts and its checkpoint holds rank 0's optimizer state; 'auto'"
+            " could choose either). Use stage=1 or 2 with"
             " engine='deepspeed', or engine='fsdp' at stage 0, 1, 2 or 3 (docs/expert_parallel.md)."
         )
     if flags.gradient_compression is not None:
