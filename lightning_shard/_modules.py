@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
-ModuleClassSpec = type[nn.Module] | str
+ModuleClassSpec = type[Any] | str
 
 #: Set on a later pipeline stage's copy of a parameter several stages use (a head tied to the embedding):
 #: the global gradient norm counts the first stage's copy only (``pipeline.runner``, ``parallel.clip``).
@@ -23,8 +24,8 @@ TIED_COPY = "_lightning_shard_tied_copy"
 SPLIT_OVER = "_lightning_shard_split_over"
 
 
-def import_module_class(path: str, flag: str) -> type[nn.Module]:
-    """Import ``"package.module.ClassName"`` and check it is an ``nn.Module`` subclass."""
+def import_module_class(path: str, flag: str, base: type = nn.Module) -> type[Any]:
+    """Import ``"package.module.ClassName"`` and check it is a subclass of ``base`` (``nn.Module``)."""
     module_name, _, class_name = path.rpartition(".")
     if not module_name:
         raise ValueError(
@@ -37,28 +38,32 @@ def import_module_class(path: str, flag: str) -> type[nn.Module]:
         raise ValueError(
             f"{flag} entry {path!r} could not be imported ({err}). Check the dotted path."
         ) from err
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"{flag} entry {path!r} is {cls!r}, not an nn.Module subclass.")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{flag} entry {path!r} is {cls!r}, not {_a(base)} subclass.")
     return cls
 
 
+def _a(base: type) -> str:
+    return "an nn.Module" if base is nn.Module else f"a {base.__module__}.{base.__qualname__}"
+
+
 def resolve_module_classes(
-    spec: Iterable[ModuleClassSpec] | ModuleClassSpec | None, flag: str
-) -> tuple[type[nn.Module], ...] | None:
-    """Normalise a user's module-class flag (classes or import-path strings) to a tuple of classes."""
+    spec: Iterable[ModuleClassSpec] | ModuleClassSpec | None, flag: str, base: type = nn.Module
+) -> tuple[type[Any], ...] | None:
+    """Normalise a user's class flag (classes or import-path strings) to a tuple of ``base`` subclasses."""
     if spec is None:
         return None
     if isinstance(spec, (str, type)):
         spec = [spec]
-    classes: list[type[nn.Module]] = []
+    classes: list[type[Any]] = []
     for entry in spec:
         if isinstance(entry, str):
-            classes.append(import_module_class(entry, flag))
-        elif isinstance(entry, type) and issubclass(entry, nn.Module):
+            classes.append(import_module_class(entry, flag, base))
+        elif isinstance(entry, type) and issubclass(entry, base):
             classes.append(entry)
         else:
             raise ValueError(
-                f"{flag} entry {entry!r} is neither an nn.Module subclass nor an import-path string."
+                f"{flag} entry {entry!r} is neither {_a(base)} subclass nor an import-path string."
             )
     if not classes:
         raise ValueError(

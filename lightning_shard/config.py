@@ -54,6 +54,8 @@ class ShardConfig(ShardFlags):
     """``torch.compile`` keyword arguments for each repeated block (None: eager)."""
     fp8: Fp8Settings | None = None
     """Float8 training (torchao) of the chosen Linear layers (None: off)."""
+    matrix_optimizer: bool | tuple[type, ...] | None = None
+    """Whole-matrix optimizers: ``None`` (the known classes), every optimizer or none, or the classes named."""
     gradient_compression: dict[str, Any] | None = None
     """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +143,7 @@ class ShardConfig(ShardFlags):
             compile=compile_kwargs,
             fp8=fp8,
             gradient_compression=compression,
+            matrix_optimizer=_check_matrix_optimizer(flags.matrix_optimizer),
         )
         return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
 
@@ -275,6 +278,14 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
             " communication hook (docs/expert_parallel.md). Drop gradient_compression, or use"
             " expert_parallel_size=1."
         )
+
+
+def _check_matrix_optimizer(flag: Any) -> bool | tuple[type, ...] | None:
+    if flag is None or isinstance(flag, bool):
+        return flag
+    from torch.optim import Optimizer
+
+    return resolve_module_classes(flag, "ShardStrategy(matrix_optimizer=...)", Optimizer)
 
 
 def _check_tiling(tiled_mlp: Any, tiled_loss: Any, pp: int) -> None:

@@ -243,6 +243,15 @@ class ShardFlags:
         " 'start_iter': n, ...}``, through DDP's communication hooks.",
         "compression.py, engines/fsdp.py",
     )
+    matrix_optimizer: bool | Sequence[str | type] | None = _flag(
+        None,
+        "optimizers whose update needs whole matrices (Muon, Shampoo, SOAP): ``None`` recognises"
+        " ``torch.optim.Muon`` and heavyball's ``Muon``, ``MuonAdamW`` and ``SOAP``; ``True`` / ``False`` say it"
+        " of every optimizer; or the classes (or their dotted names). Where parameters are sharded or split"
+        " (stages 2-3, tensor parallelism) each matrix is then stepped whole on one owner rank"
+        " (docs/optimizers.md).",
+        "engines/fsdp.py, engines/deepspeed.py, engines/_whole_matrix.py",
+    )
 
 
 #: The flags' names, in declaration order.

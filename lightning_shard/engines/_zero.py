@@ -17,6 +17,7 @@ stages 0, 2 and 3 save, so a checkpoint reshards between stages and expert-paral
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_shard._modules import SPLIT_OVER, TIED_COPY
+from lightning_shard.engines import _named_state as named_state
 from lightning_shard.engines._shm import shared_memory_group
 from lightning_shard.parallel.clip import shard_count
 
@@ -288,10 +290,8 @@ def optimizer_state_dict(model: nn.Module, zero: Optimizer, full: bool) -> dict[
         for p in _local_params(zero)
         if p in zero.optim.state
     }
-    if full and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, state)
-        state = {name: entry for part in gathered for name, entry in part.items()}
+    if full:
+        state = named_state.on_every_rank(state)
     return {"state": state, "param_groups": _global_groups(zero, names)}
 
 
@@ -299,16 +299,10 @@ def load_target(model: nn.Module, zero: Optimizer, meta: Any, key: str) -> dict[
     """Empty tensors, shaped from the checkpoint's metadata, for the entries this rank owns."""
     assert isinstance(zero, ZeroRedundancyOptimizer)
     names = _param_names(model, zero)
-    entries = meta.state_dict_metadata
-    state: dict[str, dict[str, Any]] = {}
-    for p in _local_params(zero):
-        prefix = f"{key}.state.{names[p]}."
-        fields = {
-            k[len(prefix) :]: md
-            for k, md in entries.items()
-            if k.startswith(prefix) and "." not in k[len(prefix) :]
-        }
-        state[names[p]] = {name: _empty(zero, p, md) for name, md in fields.items()}
+    state = {
+        names[p]: named_state.saved_fields(meta, key, names[p], functools.partial(_empty, zero, p))
+        for p in _local_params(zero)
+    }
     return {"state": state, "param_groups": _global_groups(zero, names)}
 
 
@@ -322,14 +316,7 @@ def load_optimizer_state_dict(model: nn.Module, zero: Optimizer, state_dict: dic
         if entry is None:
             continue
         zero.optim.state[p] = {k: _to_param_device(_loaded(zero, p, v), p) for k, v in entry.items()}
-    groups = state_dict["param_groups"]
-    if len(groups) != len(zero.param_groups):
-        raise ValueError(
-            f"The checkpoint's optimizer has {len(groups)} param groups but configure_optimizers() made"
-            f" {len(zero.param_groups)}. Resume with the same optimizer set-up."
-        )
-    for live, loaded in zip(zero.param_groups, groups, strict=True):
-        live.update({k: v for k, v in loaded.items() if k != "params"})
+    named_state.load_hyperparameters(zero.param_groups, state_dict["param_groups"])
 
 
 def _to_param_device(value: Any, param: nn.Parameter) -> Any:

@@ -43,6 +43,7 @@ from lightning_shard.engines._deepspeed_precision import (
     check_precision,
 )
 from lightning_shard.engines._ds_ops import cpu_adam
+from lightning_shard.engines._whole_matrix import needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 from lightning_shard.parallel.mesh import expert_meshes
 
@@ -126,6 +127,14 @@ class DeepSpeedEngine(Engine):
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
+        for optimizer in optimizers:
+            if self.stage >= 1 and needs_whole_matrices(optimizer, self.config.matrix_optimizer):
+                raise ValueError(
+                    f"ShardStrategy(engine='deepspeed', stage={self.stage}) cannot step {type(optimizer).__name__},"
+                    " whose update needs whole matrices: DeepSpeed ZeRO flattens the parameters into 1-D partitions"
+                    " and hands the optimizer those. Use engine='fsdp' (at stages 2-3 each matrix is gathered whole on"
+                    " one owner rank; docs/optimizers.md), or stage=0."
+                )
         config = self.ds_config(settings)
         engine, ds_optimizer, client_optimizer = self._initialize(model, optimizers, config)
         # Schedulers follow the optimizer DeepSpeed steps (CPU-Adam when the optimizer is offloaded).

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+import lightning_shard.engines._whole_matrix as _whole_matrix
 import lightning_shard.engines._zero as _zero
 from lightning_shard import _compat, _ddp, compression, fp8
 from lightning_shard import checkpoint as ckpt
@@ -134,15 +135,24 @@ class FSDPEngine(Engine):
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
+        whole = [_whole_matrix.needs_whole_matrices(opt, self.config.matrix_optimizer) for opt in optimizers]
         if self.stage == 1:
+            for optimizer, needs in zip(optimizers, whole, strict=True):
+                if (
+                    needs
+                ):  # ZeRO-1 steps each parameter whole on its owner: unless tensor parallelism split it
+                    _whole_matrix.check_not_split(optimizer, "stage=1")
             experts = self._expert_blocks(model)
             sharded: list[Optimizer] = [
                 _zero.shard_optimizer(opt, self.mesh.get_group(), experts) for opt in optimizers
             ]
             rebind_schedulers(schedulers, optimizers, sharded)
             optimizers = sharded
-        for optimizer in optimizers:
-            step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
+        for optimizer, needs in zip(optimizers, whole, strict=True):
+            if self.stage != 1 and needs:
+                _whole_matrix.step_whole_matrices(optimizer)  # each split matrix stepped whole on its owner
+            else:
+                step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
         if self._precomputes_fp8_scales:
             fp8.precompute_after_steps(model, optimizers)
         _compat.optimizers_to_device(optimizers, self.run.device)
@@ -370,6 +380,8 @@ class FSDPEngine(Engine):
     def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         if self.stage == 1:
             return _zero.optimizer_state_dict(model, optimizer, full)
+        if _whole_matrix.whole_matrix_step(optimizer) is not None:
+            return _whole_matrix.optimizer_state_dict(model, optimizer, full)
         return get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
         )
@@ -379,6 +391,8 @@ class FSDPEngine(Engine):
     ) -> dict[str, Any]:
         if self.stage == 1:
             return _zero.load_target(model, optimizer, meta, key)
+        if _whole_matrix.whole_matrix_step(optimizer) is not None:
+            return _whole_matrix.load_target(model, optimizer, meta, key)
         return get_optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(
@@ -386,6 +400,9 @@ class FSDPEngine(Engine):
     ) -> None:
         if self.stage == 1:
             _zero.load_optimizer_state_dict(model, optimizer, state)
+            return
+        if _whole_matrix.whole_matrix_step(optimizer) is not None:
+            _whole_matrix.load_optimizer_state_dict(model, optimizer, state)
             return
         if full and not any(state.get("state", {}).values()):
             # A stateless optimizer (SGD without momentum) saved nothing per parameter; torch's full-state

@@ -1,0 +1,317 @@
+"""Optimizers whose update needs whole matrices (Muon, Shampoo, SOAP) over sharded or split parameters.
+
+Muon orthogonalises each matrix's update (Newton-Schulz on the whole matrix); Shampoo and SOAP precondition it
+by factors of the whole matrix. Run on FSDP2's shards (or tensor-parallel slices) they compute something else,
+or fail on DTensor placement rules. Here each DTensor parameter is *owned* by one rank of the ranks that split
+it (its gather group: the mesh dimensions where it is sharded; replicas, HSDP's ``replicate``, each own theirs
+and compute the same update from the same reduced gradient):
+
+1. the parameter and its gradient are gathered whole (``full_tensor``), one parameter at a time;
+2. the owner runs the user's optimizer on the whole matrix: a stand-in parameter holding it, alone in its param
+   group for that call, so the optimizer's own code, hyperparameters and state (momentum, preconditioners) are
+   used as they are; the state lives on the owner only, keyed by the stand-in;
+3. the owner broadcasts the updated matrix over the group, and every rank keeps its own shard of it.
+
+Owners are spread by size (largest parameters first, each to the rank of the group owning the fewest
+elements), so the optimizer state is partitioned across the ranks as ZeRO's is, by parameter instead of by
+slice. Only one whole matrix (and its gradient) exists at a time beside the shards. Parameters that are plain
+tensors (replicated, not DTensors) step as they are on every rank.
+
+Clipping and the non-finite skip have acted on the gradients before the step (over the whole gradient's norm).
+Each call of the user's optimizer steps one parameter: exact for optimizers whose update of a parameter reads
+only that parameter's own gradient, state and the group's scalars (Muon, Shampoo, SOAP, AdamW, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+from lightning_shard.engines import _named_state as named_state
+
+#: Optimizer classes recognised as needing whole matrices, by module prefix and class name (none imported).
+KNOWN: tuple[tuple[str, str], ...] = (
+    ("torch.optim", "Muon"),
+    ("heavyball", "Muon"),
+    ("heavyball", "MuonAdamW"),
+    ("heavyball", "SOAP"),
+    ("heavyball", "ForeachSOAP"),
+    ("heavyball", "ForeachMuon"),
+)
+_MARK = "_lightning_shard_whole_matrix"
+
+
+def needs_whole_matrices(optimizer: Optimizer, flag: Any = None) -> bool:
+    """``flag`` (``ShardStrategy(matrix_optimizer=...)``): ``None`` recognises the known classes (:data:`KNOWN`, subclasses included), ``True`` / ``False``
+    say it for every optimizer, a sequence of classes names them."""
+    if isinstance(flag, bool):
+        return flag
+    if flag is not None:
+        return isinstance(optimizer, tuple(flag))
+    return any(
+        cls.__module__.startswith(module) and cls.__name__ == name
+        for cls in type(optimizer).__mro__
+        for module, name in KNOWN
+    )
+
+
+@dataclass
+class _Gather:
+    """The ranks a parameter is split over: their group, and this rank's index in it."""
+
+    group: Any
+    ranks: list[int]  # global ranks, in group order
+    index: int
+
+
+def _gather_group(mesh: Any, dims: tuple[int, ...]) -> _Gather:
+    sub = mesh[tuple(mesh.mesh_dim_names[d] for d in dims)] if len(dims) < mesh.ndim else mesh
+    if sub.ndim > 1:
+        sub = sub._flatten()
+    group = sub.get_group()
+    ranks = dist.get_process_group_ranks(group)
+    return _Gather(group, ranks, ranks.index(dist.get_rank()))
+
+
+def _gather_of(param: DTensor) -> _Gather | None:
+    dims = tuple(i for i, placement in enumerate(param.placements) if not placement.is_replicate())
+    if not dims:
+        return None
+    if param.device_mesh.mesh_dim_names is None:
+        raise ValueError(
+            "A whole-matrix optimizer needs named mesh dimensions to find the ranks a parameter is split over;"
+            f" {param.device_mesh} has none."
+        )
+    return _gather_group(param.device_mesh, dims)
+
+
+def _groups_of(params: list[nn.Parameter]) -> dict[torch.Tensor, _Gather | None]:
+    """Each DTensor parameter's gather group (one process group per mesh and dimensions)."""
+    made: dict[tuple[int, tuple[int, ...]], _Gather | None] = {}
+    out: dict[torch.Tensor, _Gather | None] = {}
+    for p in params:
+        if isinstance(p, DTensor):
+            dims = tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
+            key = (id(p.device_mesh), dims)
+            if key not in made:
+                made[key] = _gather_of(p)
+            out[p] = made[key]
+    return out
+
+
+class WholeMatrixStep:
+    """The step of one optimizer over DTensor parameters, each matrix whole on its owner (module docstring)."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.gathers: dict[torch.Tensor, _Gather | None] = {}  # DTensor parameter -> its gather group
+        self.owner: dict[torch.Tensor, int] = {}  # global rank of each split parameter's owner
+        self.stand_ins: dict[torch.Tensor, nn.Parameter] = {}  # parameter stepped here -> its stand-in
+        load: dict[tuple[int, ...], list[int]] = {}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.gathers = _groups_of(params)
+        # Largest first, ties in parameter order: the same order on every rank of a group.
+        for p in sorted(params, key=lambda q: -q.numel()):
+            if not isinstance(p, DTensor):
+                continue
+            gather = self.gathers[p]
+            if gather is None:  # replicated: every rank steps its own copy
+                self.stand_ins[p] = _stand_in(p)
+                continue
+            owned = load.setdefault(tuple(gather.ranks), [0] * len(gather.ranks))
+            index = min(range(len(owned)), key=owned.__getitem__)
+            owned[index] += p.numel()
+            self.owner[p] = gather.ranks[index]
+            if index == gather.index:
+                self.stand_ins[p] = _stand_in(p)
+
+    def owned(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(parameter, stand-in)`` of every parameter this rank steps whole (its optimizer state's keys)."""
+        return list(self.stand_ins.items())
+
+    def step(self, step: Any, **kwargs: Any) -> None:
+        """One call of the user's optimizer over the plain parameters and this rank's whole matrices."""
+        groups = [(group, list(group["params"])) for group in self.optimizer.param_groups]
+        split: list[DTensor] = []
+        try:
+            with torch.no_grad():
+                for group, params in groups:
+                    group["params"] = [q for p in params if (q := self._gathered(p, split)) is not None]
+            step(**kwargs)
+        finally:
+            for group, params in groups:
+                group["params"] = params
+        with torch.no_grad():
+            for p in split:  # the owners' updates, one matrix at a time, in the same order on every rank
+                self._scatter(p)
+            for stand_in in self.stand_ins.values():
+                stand_in.grad = None
+                stand_in.data = torch.empty(0, dtype=stand_in.dtype, device=stand_in.device)
+
+    def _gathered(self, p: nn.Parameter, split: list[DTensor]) -> nn.Parameter | None:
+        """What the optimizer steps for ``p`` on this rank: ``p`` itself (a plain tensor), its stand-in holding
+        the whole matrix (owned) or the local tensor (replicated), or nothing."""
+        if not isinstance(p, DTensor):
+            return p
+        grad = p.grad
+        stand_in = self.stand_ins.get(p)
+        if self.gathers[p] is None:
+            assert stand_in is not None
+            stand_in.data = p.to_local()
+            stand_in.grad = None if grad is None else grad.to_local()  # type: ignore[attr-defined]
+            return stand_in
+        if grad is None:  # no gradient on any rank of the group (one graph): no step, as torch's optimizers
+            return None
+        whole_grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        whole = p.full_tensor()
+        split.append(p)
+        if stand_in is None:
+            return None
+        stand_in.data, stand_in.grad = whole, whole_grad
+        return stand_in
+
+    def _scatter(self, p: DTensor) -> None:
+        gather = self.gathers[p]
+        assert gather is not None
+        stand_in = self.stand_ins.get(p)
+        whole = (
+            stand_in.data if stand_in is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        )
+        dist.broadcast(whole, src=self.owner[p], group=gather.group)
+        shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(shard)
+
+
+def _stand_in(p: DTensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+
+
+def check_not_split(optimizer: Optimizer, where: str) -> None:
+    """Refuse a whole-matrix optimizer over parameters split where this module does not step them whole."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements):
+                raise ValueError(
+                    f"ShardStrategy({where}) with tensor parallelism cannot step {type(optimizer).__name__}, whose"
+                    " update needs whole matrices: ZeRO-1 would give it each rank's slice of a split matrix. Use"
+                    " stage=2 or 3 (each matrix is gathered whole on one owner rank), or stage=0."
+                )
+
+
+def step_whole_matrices(optimizer: Optimizer) -> WholeMatrixStep | None:
+    """Make ``optimizer.step`` step each of its DTensor parameters whole on its owner; ``None`` when it holds
+    no DTensor parameter (nothing is split: its step is already whole)."""
+    if getattr(optimizer, _MARK, None) is not None:
+        marked: WholeMatrixStep = getattr(optimizer, _MARK)
+        return marked
+    if not any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+        return None
+    whole = WholeMatrixStep(optimizer)
+    step = optimizer.step
+
+    def whole_step(self: Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:  # evaluated first, as the optimizers' own step does
+            with torch.enable_grad():
+                loss = closure()
+        whole.step(step, **kwargs)
+        return loss
+
+    # A bound method: torch's LR schedulers wrap ``optimizer.step.__func__`` when built after this.
+    optimizer.step = types.MethodType(functools.wraps(step)(whole_step), optimizer)  # type: ignore[method-assign]
+    setattr(optimizer, _MARK, whole)
+    return whole
+
+
+def whole_matrix_step(optimizer: Optimizer) -> WholeMatrixStep | None:
+    """The :class:`WholeMatrixStep` :func:`step_whole_matrices` attached to ``optimizer``, if any."""
+    found: WholeMatrixStep | None = getattr(optimizer, _MARK, None)
+    return found
+
+
+# --- checkpoints: name-keyed entries, each whole, written by the rank that steps the parameter -------------
+
+
+def _names(model: nn.Module) -> dict[torch.Tensor, str]:
+    inner = getattr(model, "module", model)
+    return {p: name for name, p in inner.named_parameters()}
+
+
+def _entries(whole: WholeMatrixStep, names: dict[torch.Tensor, str]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, the key of its state)`` of every parameter whose state lives on this rank."""
+    out = []
+    for group in whole.optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                out.append((names[p], p))
+            elif p in whole.stand_ins:
+                out.append((names[p], whole.stand_ins[p]))
+    return out
+
+
+def _groups(optimizer: Optimizer, names: dict[torch.Tensor, str]) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+    """``{"state": {name: {...}}, "param_groups": [...]}`` as ``get_optimizer_state_dict`` lays it out, each
+    entry whole: this rank's own, or every rank's if ``full``. A sharded checkpoint gets each matrix's state
+    once, from its owner, so it reads back at any stage and world size."""
+    whole = whole_matrix_step(optimizer)
+    assert whole is not None
+    names = _names(model)
+    state = {
+        name: {
+            k: (v.detach().cpu() if full and torch.is_tensor(v) else v)
+            for k, v in optimizer.state[key].items()
+        }
+        for name, key in _entries(whole, names)
+        if key in optimizer.state
+    }
+    if full:
+        state = named_state.on_every_rank(state)
+    return {"state": state, "param_groups": _groups(optimizer, names)}
+
+
+def load_target(model: nn.Module, optimizer: Optimizer, meta: Any, key: str) -> dict[str, Any]:
+    """Empty whole tensors, shaped from the checkpoint's metadata, for the entries this rank holds."""
+    whole = whole_matrix_step(optimizer)
+    assert whole is not None
+    names = _names(model)
+    state = {
+        name: named_state.saved_fields(
+            meta, key, name, lambda md: torch.empty(md.size, dtype=md.properties.dtype)
+        )
+        for name, _ in _entries(whole, names)
+    }
+    return {"state": state, "param_groups": _groups(optimizer, names)}
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Install the entries this rank holds (from any stage's checkpoint) and every group's hyperparameters."""
+    whole = whole_matrix_step(optimizer)
+    assert whole is not None
+    saved = state_dict["state"]
+    for name, key in _entries(whole, _names(model)):
+        entry = saved.get(name)
+        if entry is None:
+            continue
+        device = key.device if key.numel() else next(p for p, s in whole.stand_ins.items() if s is key).device
+        optimizer.state[key] = {
+            k: (
+                v.to(device) if torch.is_tensor(v) and v.dim() > 0 else v.clone() if torch.is_tensor(v) else v
+            )
+            for k, v in entry.items()
+        }
+    named_state.load_hyperparameters(optimizer.param_groups, state_dict["param_groups"])
