@@ -41,8 +41,9 @@ class Block(nn.Module):
 class MatrixMLP(L.LightningModule):
     """2-D weights only (``torch.optim.Muon`` takes nothing else); ``dead`` gets a zero gradient every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "muon") -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         torch.manual_seed(0)
         self.inp = nn.Linear(16, WIDTH, bias=False)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
@@ -60,6 +61,13 @@ class MatrixMLP(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "soap":  # heavyball's SOAP: Adam in the eigenbasis of each matrix's factors
+            import heavyball
+
+            heavyball.utils.compile_mode = (
+                None  # eager: its torch.compile takes a minute per run on 2 CPU cores
+            )
+            return heavyball.SOAP(self.parameters(), lr=0.01)
         return torch.optim.Muon(self.parameters(), lr=0.05, weight_decay=0.01)
 
 
@@ -81,7 +89,9 @@ def _state_bytes(optimizer: Any) -> int:
     )
 
 
-def _fit(strategy: Any, world: int, steps: int = STEPS, ckpt: str | None = None) -> dict[str, Any]:
+def _fit(
+    strategy: Any, world: int, steps: int = STEPS, ckpt: str | None = None, optimizer: str = "muon"
+) -> dict[str, Any]:
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=world,
@@ -89,7 +99,7 @@ def _fit(strategy: Any, world: int, steps: int = STEPS, ckpt: str | None = None)
         callbacks=[recorder],
         **trainer_kwargs(max_steps=steps, gradient_clip_val=CLIP),
     )
-    module = MatrixMLP()
+    module = MatrixMLP(optimizer)
     trainer.fit(module, _loader(), ckpt_path=ckpt)
     optimizer = trainer.optimizers[0]
     whole = whole_matrix_step(optimizer)
@@ -116,6 +126,8 @@ def _side_by_side(root: str) -> dict[str, Any]:
             out["saved_momentum"] = {name: entry["momentum_buffer"] for name, entry in full["state"].items()}
         out[stage] = {k: v for k, v in run.items() if k != "trainer"}
     out["ddp"] = {k: v for k, v in _fit(DDPStrategy(), world).items() if k != "trainer"}
+    for name, strategy in {"soap 3": ShardStrategy(stage=3), "soap ddp": DDPStrategy()}.items():
+        out[name] = {k: v for k, v in _fit(strategy, world, optimizer="soap").items() if k != "trainer"}
     return out
 
 
@@ -151,6 +163,15 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
             assert result[stage]["state_bytes"] <= reference_state / 2 + largest, (stage, rank)
     for stage in (2, 3):
         assert sum(r[stage]["state_bytes"] for r in ranks) == reference_state, stage
+    # heavyball's SOAP (preconditioners from each whole matrix's Kronecker factors) at stage 3.
+    for rank, result in enumerate(ranks):
+        run, reference = result["soap 3"], result["soap ddp"]
+        assert run["owned"], rank
+        torch.testing.assert_close(
+            run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=f"SOAP, rank {rank}"
+        )
+        for key, weight in reference["weights"].items():
+            torch.testing.assert_close(run["weights"][key], weight, rtol=1e-5, atol=1e-6, msg=f"SOAP: {key}")
     # Stage 3 on 2 ranks -> stage 0 on 1 rank: every matrix's momentum, saved by its owner, is whole on the one.
     (resumed,) = run_ranks(_resume, str(tmp_path), world_size=1)
     assert resumed["losses"] == []  # resumed at the checkpoint's step
