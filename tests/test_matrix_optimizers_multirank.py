@@ -196,3 +196,141 @@ def test_deepspeed_zero_refuses_a_whole_matrix_optimizer_naming_the_fsdp_engine(
         ValueError, match=r"cannot step Muon, whose update needs whole matrices.*engine='fsdp'"
     ):
         engine.setup_optimizers(module, [muon], [], TrainSettings(1, None, None))
+
+
+def _orthogonalized(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration (torch.optim.Muon's coefficients), in the gradient's own dtype
+    (torch's runs it in bfloat16, where any two reduction orders' last-bit differences can round apart)."""
+    a, b, c = 3.4445, -4.775, 2.0315
+    x = g / (g.norm() + eps)
+    wide = x.size(0) <= x.size(1)
+    x = x if wide else x.T
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x if wide else x.T
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer, two updates, as users write it: groups with ``use_muon=True`` (the 2-D hidden weights) take
+    Muon's (Nesterov momentum, orthogonalised, scaled by the matrix's aspect), the others AdamW's. Named by
+    ``matrix_optimizer=``."""
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float = 0.02) -> None:
+        super().__init__(groups, dict(lr=lr, use_muon=False, weight_decay=0.01))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if group["use_muon"]:
+                    buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.mul_(0.95).add_(p.grad)
+                    update = _orthogonalized(p.grad + 0.95 * buf)
+                    p.mul_(1 - lr * decay).add_(update, alpha=-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+                    continue
+                if not state:
+                    state.update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
+                torch.optim._functional.adamw(
+                    [p],
+                    [p.grad],
+                    [state["exp_avg"]],
+                    [state["exp_avg_sq"]],
+                    [],
+                    [state["step"]],
+                    amsgrad=False,
+                    beta1=0.9,
+                    beta2=0.95,
+                    lr=lr,
+                    weight_decay=decay,
+                    eps=1e-8,
+                    maximize=False,
+                )
+        return loss
+
+
+class MixedLlama(L.LightningModule):
+    """A tiny Hugging Face Llama (its defaults on): hidden matrices to Muon, embeddings, norms (and the tied head)
+    to AdamW, in one optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        from tests.helpers import tiny_llama_config
+
+        torch.manual_seed(0)
+        # float64: Newton-Schulz multiplies the momentum's small singular values by up to ~500, so the last-bit
+        # differences of two reduction orders (tensor-parallel matmuls against DDP's) grow past the tolerances
+        # in fp32 within a few steps on a tiny model; in float64 they stay far below them.
+        self.model = LlamaForCausalLM(tiny_llama_config()).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hidden = [
+            p for n, p in self.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n
+        ]
+        others = [p for n, p in self.named_parameters() if not any(p is q for q in hidden)]
+        return MuonWithAdamW([dict(params=hidden, use_muon=True), dict(params=others, lr=0.01)])
+
+
+def _mixed(flags: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.helpers import loader
+
+    world = int(os.environ["WORLD_SIZE"])
+    out = {}
+    runs = {}
+    for name, f in flags.items():
+        runs[name] = (ShardStrategy(matrix_optimizer=[MuonWithAdamW], **f), f.get("tensor_parallel_size", 1))
+        # Under DDP each rank reads the batch of its tensor-parallel group: the same mean over the same batches.
+        runs[f"ddp {name}"] = (DDPStrategy(), f.get("tensor_parallel_size", 1))
+    for name, (strategy, tp) in runs.items():
+        recorder = LossRecorder()
+        trainer = L.Trainer(
+            devices=world,
+            strategy=strategy,
+            callbacks=[recorder],
+            **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP),
+        )
+        trainer.fit(MixedLlama(), loader(2, tensor_parallel_size=tp))
+        whole = whole_matrix_step(trainer.optimizers[0])
+        out[name] = {
+            "losses": recorder.losses,
+            "weights": full_weights(trainer),
+            "owned": None if whole is None else len(whole.stand_ins),
+        }
+    return out
+
+
+def test_a_muon_and_adamw_mix_on_a_llama_with_tensor_parallelism_and_hsdp_matches_ddp():
+    flags = {
+        "tp2 stage 3": dict(stage=3, tensor_parallel_size=2),
+        "hsdp2 stage 3": dict(stage=3, replicate_size=2),
+    }
+    for rank, result in enumerate(run_ranks(_mixed, flags, world_size=4)):
+        for name in flags:
+            run, reference, where = result[name], result[f"ddp {name}"], f"{name}, rank {rank}"
+            assert run["owned"], where  # its matrices stepped whole on their owners
+            torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
+            for key, weight in reference["weights"].items():
+                torch.testing.assert_close(
+                    run["weights"][key],
+                    weight,
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, k=key, w=where: f"{w}: {k}: {m}",
+                )
