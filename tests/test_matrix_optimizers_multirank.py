@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
+from lightning_shard.engines._named_state import flattened
 from lightning_shard.engines._whole_matrix import optimizer_state_dict, whole_matrix_step
 from tests.helpers import LossRecorder, full_weights, trainer_kwargs
 
@@ -127,8 +128,18 @@ def _side_by_side(root: str) -> dict[str, Any]:
         out[stage] = {k: v for k, v in run.items() if k != "trainer"}
     out["ddp"] = {k: v for k, v in _fit(DDPStrategy(), world).items() if k != "trainer"}
     for name, strategy in {"soap 3": ShardStrategy(stage=3), "soap ddp": DDPStrategy()}.items():
-        out[name] = {k: v for k, v in _fit(strategy, world, optimizer="soap").items() if k != "trainer"}
+        run = _fit(strategy, world, optimizer="soap")
+        if name == "soap 3":  # SOAP's nested state (per-parameter dicts, lists of factors, sets) round trip
+            run["trainer"].save_checkpoint(f"{root}/soap3.ckpt")
+            again = _fit(ShardStrategy(stage=3), world, optimizer="soap", ckpt=f"{root}/soap3.ckpt")
+            states = [_full_state(r["trainer"]) for r in (run, again)]
+            out["soap states"] = [{k: flattened(v) for k, v in st.items()} for st in states]
+        out[name] = {k: v for k, v in run.items() if k != "trainer"}
     return out
+
+
+def _full_state(trainer: L.Trainer) -> dict[str, Any]:
+    return optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], full=True)["state"]
 
 
 def _resume(root: str) -> dict[str, Any]:
@@ -165,6 +176,9 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         assert sum(r[stage]["state_bytes"] for r in ranks) == reference_state, stage
     # heavyball's SOAP (preconditioners from each whole matrix's Kronecker factors) at stage 3.
     for rank, result in enumerate(ranks):
+        saved, resumed = result["soap states"]
+        assert saved and saved.keys() == resumed.keys(), rank
+        torch.testing.assert_close(resumed, saved, rtol=0, atol=0)
         run, reference = result["soap 3"], result["soap ddp"]
         assert run["owned"], rank
         torch.testing.assert_close(

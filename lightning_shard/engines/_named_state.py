@@ -7,9 +7,11 @@ size. These are the parts that do not depend on who holds what.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -45,3 +47,57 @@ def load_hyperparameters(live: list[dict[str, Any]], saved: list[dict[str, Any]]
         )
     for group, loaded in zip(live, saved, strict=True):
         group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+# --- nested entries ----------------------------------------------------------------------------------------
+#
+# An optimizer may keep a parameter's state nested (heavyball: ``{0: {"step": t, "Q": [t, t], "is_initialized":
+# {0, 2}}}``). A sharded checkpoint reads back only what its metadata names, one level deep, so a nested entry is
+# saved flat: each tensor under its path (``"0/Q/1"``), and the containers and plain values as a JSON skeleton
+# in a uint8 tensor (``STRUCTURE``): no pickle is written or read. A flat entry is saved as it is.
+
+STRUCTURE = "__structure__"
+
+
+def flattened(entry: dict[Any, Any]) -> dict[str, Any]:
+    """``entry`` as flat fields (itself when nothing in it is nested)."""
+    if not any(isinstance(v, (dict, list, tuple, set)) for v in entry.values()):
+        return entry
+    leaves: dict[str, Any] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {"dict": [[k, walk(v, f"{path}/{k}")] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            kind = "list" if isinstance(value, list) else "tuple"
+            return {kind: [walk(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, set):
+            return {"set": sorted(value)}
+        if torch.is_tensor(value):
+            leaves[path.lstrip("/")] = value
+            return {"tensor": path.lstrip("/")}
+        return {"value": value}
+
+    skeleton = json.dumps(walk(entry, ""))
+    leaves[STRUCTURE] = torch.tensor(list(skeleton.encode()), dtype=torch.uint8)
+    return leaves
+
+
+def nested(fields: dict[str, Any]) -> dict[Any, Any]:
+    """The entry :func:`flattened` made ``fields`` from (``fields`` itself when it was flat)."""
+    if STRUCTURE not in fields:
+        return fields
+
+    def build(spec: dict[str, Any]) -> Any:
+        ((kind, body),) = spec.items()
+        if kind == "dict":
+            return {k: build(v) for k, v in body}
+        if kind in ("list", "tuple"):
+            items = [build(v) for v in body]
+            return items if kind == "list" else tuple(items)
+        if kind == "set":
+            return set(body)
+        return fields[body] if kind == "tensor" else body
+
+    out: dict[Any, Any] = build(json.loads(bytes(fields[STRUCTURE].tolist()).decode()))
+    return out
