@@ -62,6 +62,20 @@ class MatrixMLP(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name.startswith("aux"):  # the muon package's Muon + Adam, one optimizer
+            import muon
+
+            hidden = [p for n, p in self.named_parameters() if n.startswith(("blocks", "dead"))]
+            others = [p for n, p in self.named_parameters() if not n.startswith(("blocks", "dead"))]
+            groups = [
+                dict(params=hidden, use_muon=True, lr=0.05),
+                dict(params=others, use_muon=False, lr=0.01),
+            ]
+            # Lightning's automatic optimization passes a closure its step() does not take: under DDPStrategy the
+            # user runs it (the subclass); ShardStrategy runs it for them ("aux").
+            return (
+                _with_closure() if self.optimizer_name == "aux ddp" else muon.SingleDeviceMuonWithAuxAdam
+            )(groups)
         if self.optimizer_name == "soap":  # heavyball's SOAP: Adam in the eigenbasis of each matrix's factors
             import heavyball
 
@@ -70,6 +84,19 @@ class MatrixMLP(L.LightningModule):
             )
             return heavyball.SOAP(self.parameters(), lr=0.01)
         return torch.optim.Muon(self.parameters(), lr=0.05, weight_decay=0.01)
+
+
+def _with_closure() -> type:
+    import muon
+
+    class WithClosure(muon.SingleDeviceMuonWithAuxAdam):  # type: ignore[misc]
+        def step(self, closure: Any = None) -> Any:
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            super().step()
+            return loss
+
+    return WithClosure
 
 
 def _loader() -> DataLoader:
@@ -135,6 +162,12 @@ def _side_by_side(root: str) -> dict[str, Any]:
             states = [_full_state(r["trainer"]) for r in (run, again)]
             out["soap states"] = [{k: flattened(v) for k, v in st.items()} for st in states]
         out[name] = {k: v for k, v in run.items() if k != "trainer"}
+    for name, (strategy, optimizer) in {
+        "aux 3": (ShardStrategy(stage=3), "aux"),
+        "aux 0": (ShardStrategy(stage=0), "aux"),
+        "aux ddp": (DDPStrategy(), "aux ddp"),
+    }.items():
+        out[name] = {k: v for k, v in _fit(strategy, world, optimizer=optimizer).items() if k != "trainer"}
     return out
 
 
@@ -174,6 +207,19 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
             assert result[stage]["state_bytes"] <= reference_state / 2 + largest, (stage, rank)
     for stage in (2, 3):
         assert sum(r[stage]["state_bytes"] for r in ranks) == reference_state, stage
+    # muon's SingleDeviceMuonWithAuxAdam (a step() without closure) at stages 3 and 0.
+    for rank, result in enumerate(ranks):
+        reference = result["aux ddp"]
+        for name in ("aux 3", "aux 0"):
+            run = result[name]
+            torch.testing.assert_close(
+                run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=f"{name}, {rank}"
+            )
+            for key, weight in reference["weights"].items():
+                torch.testing.assert_close(
+                    run["weights"][key], weight, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}"
+                )
+        assert result["aux 3"]["owned"], rank
     # heavyball's SOAP (preconditioners from each whole matrix's Kronecker factors) at stage 3.
     for rank, result in enumerate(ranks):
         saved, resumed = result["soap states"]
@@ -195,6 +241,21 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         torch.testing.assert_close(resumed["momentum"][name], value, rtol=0, atol=0, msg=name)
     for key, value in ranks[0][3]["weights"].items():
         torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizer_that_distributes_itself_is_refused_past_stage_0_naming_its_single_device_form(stage):
+    import muon
+
+    from lightning_shard.engines import TrainSettings
+    from tests.helpers import make_engine
+
+    module = MatrixMLP()
+    optimizer = muon.MuonWithAuxAdam([dict(params=list(module.parameters()), use_muon=True)])
+    with pytest.raises(
+        ValueError, match=r"cannot step muon.MuonWithAuxAdam.*Use muon.SingleDeviceMuonWithAuxAdam"
+    ):
+        make_engine("fsdp", stage).setup_optimizers(module, [optimizer], [], TrainSettings(1, None, None))
 
 
 @pytest.mark.deepspeed

@@ -25,6 +25,7 @@ only that parameter's own gradient, state and the group's scalars (Muon, Shampoo
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,13 @@ KNOWN: tuple[tuple[str, str], ...] = (
     ("heavyball", "SOAP"),
     ("heavyball", "ForeachSOAP"),
     ("heavyball", "ForeachMuon"),
+    ("muon", "Muon"),
+    ("muon", "MuonWithAuxAdam"),
+    ("muon", "SingleDeviceMuon"),
+    ("muon", "SingleDeviceMuonWithAuxAdam"),
 )
+#: Optimizers that spread their own work over every rank of the world, each assumed to hold every weight whole.
+SELF_DISTRIBUTED: tuple[tuple[str, str], ...] = (("muon", "Muon"), ("muon", "MuonWithAuxAdam"))
 _MARK = "_lightning_shard_whole_matrix"
 
 
@@ -192,6 +199,54 @@ class WholeMatrixStep:
 
 def _stand_in(p: DTensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+
+
+def _named(optimizer: Optimizer, known: tuple[tuple[str, str], ...]) -> bool:
+    cls = type(optimizer)
+    return (cls.__module__.split(".")[0], cls.__name__) in known
+
+
+def check_own_distribution(optimizer: Optimizer, stage: int) -> None:
+    """Refuse an optimizer that distributes its own step over the world where the ranks do not all hold every
+    weight whole (anywhere but DDP's stage 0 without tensor parallelism)."""
+    split = any(
+        isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
+    if _named(optimizer, SELF_DISTRIBUTED) and (stage != 0 or split):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"ShardStrategy(stage={stage}) cannot step muon.{name}: its step spreads the matrices over every rank"
+            " and all-gathers each one over the world, assuming every rank holds every weight whole, which only"
+            f" stage 0 without tensor parallelism gives. Use muon.SingleDevice{name}, the same update without its"
+            " own distribution: ShardStrategy then steps each matrix whole on one owner rank (docs/optimizers.md)."
+        )
+
+
+def takes_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` accepts the closure Lightning's automatic optimization passes."""
+    try:
+        parameters = inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return True
+    return "closure" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def run_closure_first(optimizer: Optimizer) -> None:
+    """For an optimizer whose ``step()`` takes no closure: Lightning's closure (forward, backward) is run first,
+    then ``step()``, as the optimizers that take one do it."""
+    step = optimizer.step
+
+    def step_after_closure(self: Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step(**kwargs)
+        return loss
+
+    optimizer.step = types.MethodType(functools.wraps(step)(step_after_closure), optimizer)  # type: ignore[method-assign]
 
 
 def check_not_split(optimizer: Optimizer, where: str) -> None:

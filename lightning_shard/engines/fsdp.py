@@ -136,6 +136,9 @@ class FSDPEngine(Engine):
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
         whole = [_whole_matrix.needs_whole_matrices(opt, self.config.matrix_optimizer) for opt in optimizers]
+        closures = [_whole_matrix.takes_closure(opt) for opt in optimizers]
+        for optimizer in optimizers:
+            _whole_matrix.check_own_distribution(optimizer, self.stage)
         if self.stage == 1:
             for optimizer, needs in zip(optimizers, whole, strict=True):
                 if (
@@ -148,11 +151,12 @@ class FSDPEngine(Engine):
             ]
             rebind_schedulers(schedulers, optimizers, sharded)
             optimizers = sharded
-        for optimizer, needs in zip(optimizers, whole, strict=True):
-            if self.stage != 1 and needs:
-                _whole_matrix.step_whole_matrices(optimizer)  # each split matrix stepped whole on its owner
-            else:
-                step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
+        for optimizer, needs, closure in zip(optimizers, whole, closures, strict=True):
+            if self.stage != 1 and needs and _whole_matrix.step_whole_matrices(optimizer) is not None:
+                continue  # each split matrix stepped whole on its owner (the closure run first)
+            step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
+            if not closure:
+                _whole_matrix.run_closure_first(optimizer)
         if self._precomputes_fp8_scales:
             fp8.precompute_after_steps(model, optimizers)
         _compat.optimizers_to_device(optimizers, self.run.device)
