@@ -122,6 +122,8 @@ class WholeMatrixStep:
         self.gathers: dict[torch.Tensor, _Gather | None] = {}  # DTensor parameter -> its gather group
         self.owner: dict[torch.Tensor, int] = {}  # global rank of each split parameter's owner
         self.stand_ins: dict[torch.Tensor, nn.Parameter] = {}  # parameter stepped here -> its stand-in
+        #: Bytes this rank received by the steps so far: whole matrices and gradients gathered, updates broadcast.
+        self.traffic = {"gathered": 0, "broadcast": 0}
         load: dict[tuple[int, ...], list[int]] = {}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.gathers = _groups_of(params)
@@ -180,6 +182,9 @@ class WholeMatrixStep:
         whole_grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         whole = p.full_tensor()
         split.append(p)
+        self.traffic["gathered"] += (
+            whole.numel() * whole.element_size() + whole_grad.numel() * whole_grad.element_size()
+        )
         if stand_in is None:
             return None
         stand_in.data, stand_in.grad = whole, whole_grad
@@ -193,6 +198,7 @@ class WholeMatrixStep:
             stand_in.data if stand_in is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
         )
         dist.broadcast(whole, src=self.owner[p], group=gather.group)
+        self.traffic["broadcast"] += whole.numel() * whole.element_size()
         shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
         p.to_local().copy_(shard)
 
