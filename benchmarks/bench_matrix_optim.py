@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.engines._whole_matrix import whole_matrix_step
+from lightning_shard.memory import model_state_bytes
 
 WARMUP = 2
 CONFIGS = {"stage0": dict(stage=0), "stage3": dict(stage=3)}
@@ -84,15 +85,6 @@ class OptimizerTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def _state_bytes(optimizer: Any) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for entry in optimizer.state.values()
-        for v in entry.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    )
-
-
 def _run(flags: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     d, steps, batch = cfg["d_model"], cfg["steps"], cfg["batch_size"]
     g = torch.Generator().manual_seed(0)
@@ -114,7 +106,7 @@ def _run(flags: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
         "step_s": statistics.median(step_timer.times[WARMUP:]),
         "optimizer_s": statistics.median(optimizer_timer.times[WARMUP:]),
         "bytes_per_step": {k: v // steps for k, v in traffic.items()},
-        "state_bytes": _state_bytes(optimizer),
+        "state_bytes": model_state_bytes(trainer.lightning_module, [optimizer]).optimizer,
         "owned": None if whole is None else len(whole.stand_ins),
     }
 

@@ -21,6 +21,7 @@ from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.engines._named_state import flattened
 from lightning_shard.engines._whole_matrix import optimizer_state_dict, whole_matrix_step
+from lightning_shard.memory import model_state_bytes
 from tests.helpers import LossRecorder, full_weights, trainer_kwargs
 
 pytestmark = pytest.mark.multirank
@@ -108,15 +109,6 @@ def _loader() -> DataLoader:
     return DataLoader(data, batch_size=4, sampler=sampler)
 
 
-def _state_bytes(optimizer: Any) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for entry in optimizer.state.values()
-        for v in entry.values()
-        if torch.is_tensor(v) and v.dim() > 0
-    )
-
-
 def _fit(
     strategy: Any, world: int, steps: int = STEPS, ckpt: str | None = None, optimizer: str = "muon"
 ) -> dict[str, Any]:
@@ -134,7 +126,7 @@ def _fit(
     return {
         "losses": recorder.losses,
         "weights": full_weights(trainer),
-        "state_bytes": _state_bytes(optimizer),
+        "state_bytes": model_state_bytes(trainer.lightning_module, [optimizer]).optimizer,
         "owned": None if whole is None else len(whole.stand_ins),
         "trainer": trainer,
     }
