@@ -121,7 +121,7 @@ def _add_plan(sub: Any) -> None:
     flags.add_argument(
         "--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
     )
-    flags.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "momentum"])
+    flags.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "momentum", "muon"])
     flags.add_argument("--stage", default="auto", choices=["0", "1", "2", "3", "auto"])
     flags.add_argument("--offload-optimizer", default="auto", choices=["none", "cpu", "nvme", "auto"])
     flags.add_argument("--offload-params", default="auto", choices=["none", "cpu", "nvme", "auto"])

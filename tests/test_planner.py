@@ -75,6 +75,31 @@ def test_stage3_on_8_devices_divides_model_state_by_8():
     assert rows[2].parameters == psi // 2 and rows[2].buffers_detail["parameter_copies"] == 2 * psi
 
 
+def test_muon_state_is_one_momentum_sharded_by_owner_with_the_owned_matrices_whole_during_the_step():
+    rows = plan(
+        7e9,
+        world_size=8,
+        device_memory="80GB",
+        micro_batch=None,
+        optimizer="muon",
+        layers=32,
+        hidden=4096,
+        ffn=11008,
+        vocab=32000,
+        heads=32,
+    ).stages
+    psi = 7_000_000_000
+    assert rows[0].optimizer == 4 * psi  # one fp32 momentum per parameter, whole on every rank
+    assert rows[3].optimizer == 4 * psi // 8  # ... 1/N of it per rank at stage 3 (ownership)
+    assert "whole_matrices" not in rows[0].buffers_detail  # stage 0: DDP's whole parameters
+    largest = 32000 * 4096  # the embedding is the largest matrix
+    # The matrices a rank owns, plus the largest for the owners' imbalance, and one more passing through, each
+    # with its gradient, fp32.
+    assert rows[3].buffers_detail["whole_matrices"] == pytest.approx(
+        (psi / 8 + 2 * largest) * 2 * 4, rel=1e-6
+    )
+
+
 def test_offload_moves_state_to_the_host():
     row = plan(
         7e9, world_size=8, device_memory="80GB", stage=3, offload_optimizer="cpu", offload_params="cpu"

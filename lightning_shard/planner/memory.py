@@ -24,6 +24,10 @@ Working buffers are what exists only during a step, on top of the model state an
 * the loss: a language model's fp32 log-softmax of the logits and its gradient, 8 bytes x tokens x V;
 * recompute: the activations of the one block being recomputed in backward;
 * all-to-all (expert parallelism): one layer's send and receive buffers of its tokens' routed rows.
+* whole matrices (a whole-matrix optimizer, ``muon``, where parameters are split: stages 2-3, tensor
+  parallelism): during the step each rank holds the matrices it owns whole with their gradients (about 1/N of
+  them, plus the largest matrix for the owners' imbalance), and one other matrix and its gradient as they
+  pass through (``engines/_whole_matrix.py``). Its optimizer state is 1/N per device, as ZeRO's.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from lightning_shard.planner.model import Checkpointing, ModelShape, activation_
 from lightning_shard.tiling import loss_tile
 
 Offload = Literal["none", "cpu", "nvme"]
-Optimizer = Literal["adam", "adamw", "sgd", "momentum"]
-OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
+Optimizer = Literal["adam", "adamw", "sgd", "momentum", "muon"]
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1, "muon": 1}
+#: Optimizers whose update needs whole matrices: stepped whole on one owner rank where parameters are split.
+WHOLE_MATRIX = frozenset({"muon"})
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
 # precision: (stored parameter bytes p, compute bytes c, gradient-reduction bytes)
 PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
@@ -242,6 +248,12 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
             host, grads = host + grads, 0.0
     ckpt = config.activation_checkpointing
     detail = _buffers(s, config, held_params, held_trainable, block, root, p, c, reduce, mixed)
+    if s.optimizer in WHOLE_MATRIX and (stage >= 2 or s.tp > 1):
+        largest = (
+            max(s.shape.hidden * max(s.shape.ffn, s.shape.hidden), s.shape.vocab * s.shape.hidden) / s.pp
+        )
+        owned = (trainable / n if stage >= 2 else trainable) + largest
+        detail["whole_matrices"] = int((owned + largest) * 2 * p)
     acts = 0.0
     if s.micro_batch and s.seq_len:
         r = p  # under autocast the residual stream keeps the stored dtype (fp32 in mixed precision)
