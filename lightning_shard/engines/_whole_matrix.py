@@ -33,10 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_shard.engines import _named_state as named_state
+from lightning_shard.engines._shm import shared_memory_group
 
 #: Optimizer classes recognised as needing whole matrices, by module prefix and class name (none imported).
 KNOWN: tuple[tuple[str, str], ...] = (
@@ -179,8 +180,8 @@ class WholeMatrixStep:
             return stand_in
         if grad is None:  # no gradient on any rank of the group (one graph): no step, as torch's optimizers
             return None
-        whole_grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
-        whole = p.full_tensor()
+        whole_grad = _whole(grad, p, self.gathers[p])
+        whole = _whole(p, p, self.gathers[p])
         split.append(p)
         self.traffic["gathered"] += (
             whole.numel() * whole.element_size() + whole_grad.numel() * whole_grad.element_size()
@@ -197,10 +198,47 @@ class WholeMatrixStep:
         whole = (
             stand_in.data if stand_in is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
         )
-        dist.broadcast(whole, src=self.owner[p], group=gather.group)
+        _broadcast(whole, p, gather, self.owner[p], stand_in is not None)
         self.traffic["broadcast"] += whole.numel() * whole.element_size()
         shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
         p.to_local().copy_(shard)
+
+
+def _rows(p: DTensor, ranks: int) -> list[int] | None:
+    """Each rank's rows of ``p`` where it is split by rows over one mesh dimension (FSDP2's ``Shard(0)``, chunked
+    as ``torch.chunk``), in the order of the ranks of its gather group; ``None`` for any other split."""
+    split = [placement for placement in p.placements if not placement.is_replicate()]
+    if len(split) != 1 or type(split[0]) is not Shard or split[0].dim != 0:
+        return None
+    total = p.shape[0]
+    chunk = -(-total // ranks)
+    return [max(0, min(chunk, total - i * chunk)) for i in range(ranks)]
+
+
+def _whole(value: Any, p: DTensor, gather: _Gather | None) -> torch.Tensor:
+    """``value`` (``p`` or its gradient) whole on every rank of ``p``'s gather group: through shared memory
+    where the group's CPU ranks share a host and ``p`` is split by rows (each rank's rows are one block of the
+    whole), else DTensor's all-gather."""
+    assert gather is not None
+    rows = _rows(p, len(gather.ranks))
+    shm = shared_memory_group(gather.group) if rows is not None else None
+    if isinstance(value, DTensor) and rows is not None and shm is not None:
+        whole = torch.empty(p.shape, dtype=value.dtype, device=value.device)
+        if shm.gather(list(whole.split(rows)), value.to_local().contiguous()):
+            return whole
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _broadcast(whole: torch.Tensor, p: DTensor, gather: _Gather, owner: int, owns: bool) -> None:
+    """The owner's ``whole`` to every rank of the group (shared memory where :func:`_whole` uses it)."""
+    shm = shared_memory_group(gather.group) if _rows(p, len(gather.ranks)) is not None else None
+    if shm is not None:
+        empty = torch.empty(0, dtype=whole.dtype, device=whole.device)
+        source = gather.ranks.index(owner)
+        outputs = [whole if j == source else empty for j in range(len(gather.ranks))]
+        if shm.gather(outputs, whole if owns else empty):
+            return
+    dist.broadcast(whole, src=owner, group=gather.group)
 
 
 def _stand_in(p: DTensor) -> nn.Parameter:
