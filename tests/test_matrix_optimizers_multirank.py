@@ -109,6 +109,15 @@ def _loader() -> DataLoader:
     return DataLoader(data, batch_size=4, sampler=sampler)
 
 
+def _same(run: dict[str, Any], reference: dict[str, Any], where: str, atol: float = 1e-6) -> None:
+    """The same losses (rtol 1e-5) and final weights as the ``DDPStrategy`` run."""
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
+    for key, weight in reference["weights"].items():
+        torch.testing.assert_close(
+            run["weights"][key], weight, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{where}: {k}: {m}"
+        )
+
+
 def _fit(
     strategy: Any, world: int, steps: int = STEPS, ckpt: str | None = None, optimizer: str = "muon"
 ) -> dict[str, Any]:
@@ -182,16 +191,7 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         reference = result["ddp"]
         assert len(reference["losses"]) == STEPS
         for stage in (0, 1, 2, 3):
-            run, where = result[stage], f"stage {stage}, rank {rank}"
-            torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
-            for key, weight in reference["weights"].items():
-                torch.testing.assert_close(
-                    run["weights"][key],
-                    weight,
-                    rtol=1e-5,
-                    atol=1e-6,
-                    msg=lambda m, k=key, w=where: f"{w}: {k}: {m}",
-                )
+            _same(result[stage], reference, f"stage {stage}, rank {rank}")
         # Stages 2-3: each matrix's momentum lives on its owner only, the owners spread by size.
         for stage in (2, 3):
             assert result[stage]["owned"] and result[stage]["owned"] < 6, (stage, result[stage]["owned"])
@@ -203,14 +203,7 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
     for rank, result in enumerate(ranks):
         reference = result["aux ddp"]
         for name in ("aux 3", "aux 0"):
-            run = result[name]
-            torch.testing.assert_close(
-                run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=f"{name}, {rank}"
-            )
-            for key, weight in reference["weights"].items():
-                torch.testing.assert_close(
-                    run["weights"][key], weight, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}"
-                )
+            _same(result[name], reference, f"{name}, rank {rank}")
         assert result["aux 3"]["owned"], rank
     # heavyball's SOAP (preconditioners from each whole matrix's Kronecker factors) at stage 3.
     for rank, result in enumerate(ranks):
@@ -219,11 +212,7 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         torch.testing.assert_close(resumed, saved, rtol=0, atol=0)
         run, reference = result["soap 3"], result["soap ddp"]
         assert run["owned"], rank
-        torch.testing.assert_close(
-            run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=f"SOAP, rank {rank}"
-        )
-        for key, weight in reference["weights"].items():
-            torch.testing.assert_close(run["weights"][key], weight, rtol=1e-5, atol=1e-6, msg=f"SOAP: {key}")
+        _same(run, reference, f"SOAP, rank {rank}")
     # Stage 3 on 2 ranks -> stage 0 on 1 rank: every matrix's momentum, saved by its owner, is whole on the one.
     (resumed,) = run_ranks(_resume, str(tmp_path), world_size=1)
     assert resumed["losses"] == []  # resumed at the checkpoint's step
@@ -392,12 +381,4 @@ def test_a_muon_and_adamw_mix_on_a_llama_with_tensor_parallelism_and_hsdp_matche
         for name in flags:
             run, reference, where = result[name], result[f"ddp {name}"], f"{name}, rank {rank}"
             assert run["owned"], where  # its matrices stepped whole on their owners
-            torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
-            for key, weight in reference["weights"].items():
-                torch.testing.assert_close(
-                    run["weights"][key],
-                    weight,
-                    rtol=1e-5,
-                    atol=1e-5,
-                    msg=lambda m, k=key, w=where: f"{w}: {k}: {m}",
-                )
+            _same(run, reference, where, atol=1e-5)

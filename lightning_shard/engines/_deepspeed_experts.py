@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from lightning_shard._optim import constructor_defaults
 from lightning_shard.checkpoint.layout import DEEPSPEED_EXPERTS, DEEPSPEED_TAG, expert_blocks_file
-from lightning_shard.engines._zero import _constructor_defaults as constructor_defaults
 from lightning_shard.expert_parallel import expert_modules, expert_shards
 
 #: Set on a model whose expert blocks were made DeepSpeed MoE parameters.

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
+from lightning_shard._optim import replace_step
 from lightning_shard.engines import _named_state as named_state
 from lightning_shard.engines._shm import shared_memory_group
 
@@ -58,17 +58,28 @@ _MARK = "_lightning_shard_whole_matrix"
 
 
 def needs_whole_matrices(optimizer: Optimizer, flag: Any = None) -> bool:
-    """``flag`` (``ShardStrategy(matrix_optimizer=...)``): ``None`` recognises the known classes (:data:`KNOWN`, subclasses included), ``True`` / ``False``
-    say it for every optimizer, a sequence of classes names them."""
+    """``flag`` (``ShardStrategy(matrix_optimizer=...)``): ``None`` recognises the known classes (:data:`KNOWN`,
+    subclasses included), ``True`` / ``False`` say it for every optimizer, a sequence of classes names them."""
     if isinstance(flag, bool):
         return flag
     if flag is not None:
         return isinstance(optimizer, tuple(flag))
+    return any(_named(cls, KNOWN) for cls in type(optimizer).__mro__)
+
+
+def _named(cls: type, known: tuple[tuple[str, str], ...]) -> bool:
+    """``cls`` is one of ``known``: its name, in the package (or a module of the package) named."""
     return any(
-        cls.__module__.startswith(module) and cls.__name__ == name
-        for cls in type(optimizer).__mro__
-        for module, name in KNOWN
+        cls.__name__ == name and (cls.__module__ == package or cls.__module__.startswith(f"{package}."))
+        for package, name in known
     )
+
+
+def _split(p: Any) -> tuple[int, ...]:
+    """The mesh dimensions a DTensor parameter is split over (none for a plain tensor or a replicated one)."""
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
 
 
 @dataclass
@@ -90,7 +101,7 @@ def _gather_group(mesh: Any, dims: tuple[int, ...]) -> _Gather:
 
 
 def _gather_of(param: DTensor) -> _Gather | None:
-    dims = tuple(i for i, placement in enumerate(param.placements) if not placement.is_replicate())
+    dims = _split(param)
     if not dims:
         return None
     if param.device_mesh.mesh_dim_names is None:
@@ -107,8 +118,7 @@ def _groups_of(params: list[nn.Parameter]) -> dict[torch.Tensor, _Gather | None]
     out: dict[torch.Tensor, _Gather | None] = {}
     for p in params:
         if isinstance(p, DTensor):
-            dims = tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
-            key = (id(p.device_mesh), dims)
+            key = (id(p.device_mesh), _split(p))
             if key not in made:
                 made[key] = _gather_of(p)
             out[p] = made[key]
@@ -245,20 +255,11 @@ def _stand_in(p: DTensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
 
 
-def _named(optimizer: Optimizer, known: tuple[tuple[str, str], ...]) -> bool:
-    cls = type(optimizer)
-    return (cls.__module__.split(".")[0], cls.__name__) in known
-
-
 def check_own_distribution(optimizer: Optimizer, stage: int) -> None:
     """Refuse an optimizer that distributes its own step over the world where the ranks do not all hold every
     weight whole (anywhere but DDP's stage 0 without tensor parallelism)."""
-    split = any(
-        isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements)
-        for group in optimizer.param_groups
-        for p in group["params"]
-    )
-    if _named(optimizer, SELF_DISTRIBUTED) and (stage != 0 or split):
+    split = any(_split(p) for group in optimizer.param_groups for p in group["params"])
+    if _named(type(optimizer), SELF_DISTRIBUTED) and (stage != 0 or split):
         name = type(optimizer).__name__
         raise ValueError(
             f"ShardStrategy(stage={stage}) cannot step muon.{name}: its step spreads the matrices over every rank"
@@ -280,29 +281,7 @@ def takes_closure(optimizer: Optimizer) -> bool:
 def run_closure_first(optimizer: Optimizer) -> None:
     """For an optimizer whose ``step()`` takes no closure: Lightning's closure (forward, backward) is run first,
     then ``step()``, as the optimizers that take one do it."""
-    step = optimizer.step
-
-    def step_after_closure(self: Optimizer, closure: Any = None, **kwargs: Any) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step(**kwargs)
-        return loss
-
-    optimizer.step = types.MethodType(functools.wraps(step)(step_after_closure), optimizer)  # type: ignore[method-assign]
-
-
-def check_not_split(optimizer: Optimizer, where: str) -> None:
-    """Refuse a whole-matrix optimizer over parameters split where this module does not step them whole."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, DTensor) and any(not placement.is_replicate() for placement in p.placements):
-                raise ValueError(
-                    f"ShardStrategy({where}) with tensor parallelism cannot step {type(optimizer).__name__}, whose"
-                    " update needs whole matrices: ZeRO-1 would give it each rank's slice of a split matrix. Use"
-                    " stage=2 or 3 (each matrix is gathered whole on one owner rank), or stage=0."
-                )
+    replace_step(optimizer, optimizer.step)
 
 
 def step_whole_matrices(optimizer: Optimizer) -> WholeMatrixStep | None:
@@ -314,18 +293,7 @@ def step_whole_matrices(optimizer: Optimizer) -> WholeMatrixStep | None:
     if not any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
         return None
     whole = WholeMatrixStep(optimizer)
-    step = optimizer.step
-
-    def whole_step(self: Optimizer, closure: Any = None, **kwargs: Any) -> Any:
-        loss = None
-        if closure is not None:  # evaluated first, as the optimizers' own step does
-            with torch.enable_grad():
-                loss = closure()
-        whole.step(step, **kwargs)
-        return loss
-
-    # A bound method: torch's LR schedulers wrap ``optimizer.step.__func__`` when built after this.
-    optimizer.step = types.MethodType(functools.wraps(step)(whole_step), optimizer)  # type: ignore[method-assign]
+    replace_step(optimizer, functools.partial(whole.step, optimizer.step))
     setattr(optimizer, _MARK, whole)
     return whole
 

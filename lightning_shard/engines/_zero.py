@@ -18,7 +18,6 @@ stages 0, 2 and 3 save, so a checkpoint reshards between stages and expert-paral
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_shard._modules import SPLIT_OVER, TIED_COPY
+from lightning_shard._optim import constructor_defaults
 from lightning_shard.engines import _named_state as named_state
 from lightning_shard.engines._shm import shared_memory_group
 from lightning_shard.parallel.clip import shard_count
@@ -234,7 +234,7 @@ def shard_optimizer(
         # broadcasts and their waits, a quarter of the step, became 2). Stand-ins keep their own storage
         # (a bucket would move them off the parameters' tensors): one broadcast per parameter.
         parameters_as_bucket_view=not stand_ins,
-        **_constructor_defaults(optimizer),
+        **constructor_defaults(optimizer),
     )
     zero._stand_ins = stand_ins  # type: ignore[attr-defined]
     return zero
@@ -252,15 +252,6 @@ def _expert_stand_ins(
         experts.data_group,
         experts.ep_mesh,
     )
-
-
-def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
-    # Some optimizers record defaults their constructor does not take (AdamW's
-    # decoupled_weight_decay); every group carries them anyway, so pass only what the constructor accepts.
-    params = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
 def _param_names(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[nn.Parameter, str]:

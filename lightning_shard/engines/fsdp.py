@@ -140,11 +140,6 @@ class FSDPEngine(Engine):
         for optimizer in optimizers:
             _whole_matrix.check_own_distribution(optimizer, self.stage)
         if self.stage == 1:
-            for optimizer, needs in zip(optimizers, whole, strict=True):
-                if (
-                    needs
-                ):  # ZeRO-1 steps each parameter whole on its owner: unless tensor parallelism split it
-                    _whole_matrix.check_not_split(optimizer, "stage=1")
             experts = self._expert_blocks(model)
             sharded: list[Optimizer] = [
                 _zero.shard_optimizer(opt, self.mesh.get_group(), experts) for opt in optimizers
