@@ -248,8 +248,8 @@ class ShardFlags:
         "optimizers whose update needs whole matrices (Muon, Shampoo, SOAP): ``None`` recognises"
         " ``torch.optim.Muon`` and heavyball's ``Muon``, ``MuonAdamW`` and ``SOAP``; ``True`` / ``False`` say it"
         " of every optimizer; or the classes (or their dotted names). Where parameters are sharded or split"
-        " (stages 2-3, tensor parallelism) each matrix is then stepped whole on one owner rank"
-        " (docs/optimizers.md).",
+        " (stages 2-3, tensor parallelism; DeepSpeed ZeRO-1/2/3) each matrix is then stepped whole on one owner"
+        " rank (docs/optimizers.md).",
         "engines/fsdp.py, engines/deepspeed.py, engines/_whole_matrix.py",
     )
 

@@ -51,16 +51,23 @@ class MatrixMLP(L.LightningModule):
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.dead = nn.Linear(WIDTH, WIDTH, bias=False)
         self.out = nn.Linear(WIDTH, 8, bias=False)
+        if optimizer == "muonadamw":  # heavyball's MuonAdamW: Muon for the matrices, AdamW for this vector
+            self.gain = nn.Parameter(torch.ones(WIDTH))
+            # float64: in fp32 heavyball rounds each matrix to bf16 stochastically before Newton-Schulz, from the
+            # global generator, so no two layouts (a rank stepping some matrices, or all) draw the same noise.
+            self.double()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+        h = self.inp(x.to(self.inp.weight.dtype))
+        if self.optimizer_name == "muonadamw":
+            h = h * self.gain
         for block in self.blocks:
             h = block(h)
         return self.out(h + 0.0 * self.dead(h))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        return nn.functional.mse_loss(self(x), y.to(self.inp.weight.dtype))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name.startswith("aux"):  # the muon package's Muon + Adam, one optimizer
@@ -77,13 +84,17 @@ class MatrixMLP(L.LightningModule):
             return (
                 _with_closure() if self.optimizer_name == "aux ddp" else muon.SingleDeviceMuonWithAuxAdam
             )(groups)
-        if self.optimizer_name == "soap":  # heavyball's SOAP: Adam in the eigenbasis of each matrix's factors
+        if self.optimizer_name in ("soap", "muonadamw"):
             import heavyball
 
             heavyball.utils.compile_mode = (
                 None  # eager: its torch.compile takes a minute per run on 2 CPU cores
             )
-            return heavyball.SOAP(self.parameters(), lr=0.01)
+            if self.optimizer_name == "muonadamw":
+                return heavyball.MuonAdamW(self.parameters(), lr=0.01)
+            return heavyball.SOAP(
+                self.parameters(), lr=0.01
+            )  # Adam in the eigenbasis of each matrix's factors
         return torch.optim.Muon(self.parameters(), lr=0.05, weight_decay=0.01)
 
 
@@ -167,6 +178,8 @@ def _side_by_side(root: str) -> dict[str, Any]:
         "aux 3": (ShardStrategy(stage=3), "aux"),
         "aux 0": (ShardStrategy(stage=0), "aux"),
         "aux ddp": (DDPStrategy(), "aux ddp"),
+        "muonadamw 3": (ShardStrategy(stage=3), "muonadamw"),
+        "muonadamw ddp": (DDPStrategy(), "muonadamw"),
     }.items():
         out[name] = {k: v for k, v in _fit(strategy, world, optimizer=optimizer).items() if k != "trainer"}
     return out
@@ -205,6 +218,10 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         for name in ("aux 3", "aux 0"):
             _same(result[name], reference, f"{name}, rank {rank}")
         assert result["aux 3"]["owned"], rank
+    # heavyball's MuonAdamW (Muon for the matrices, AdamW for the vector, routed by shape) at stage 3.
+    for rank, result in enumerate(ranks):
+        assert result["muonadamw 3"]["owned"], rank
+        _same(result["muonadamw 3"], result["muonadamw ddp"], f"MuonAdamW, rank {rank}")
     # heavyball's SOAP (preconditioners from each whole matrix's Kronecker factors) at stage 3.
     for rank, result in enumerate(ranks):
         saved, resumed = result["soap states"]
@@ -224,8 +241,13 @@ def test_muon_at_every_stage_matches_ddp_with_its_state_on_one_rank_per_matrix(t
         torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_an_optimizer_that_distributes_itself_is_refused_past_stage_0_naming_its_single_device_form(stage):
+@pytest.mark.parametrize(
+    ("engine", "stage"),
+    [("fsdp", 1), ("fsdp", 2), ("fsdp", 3), pytest.param("deepspeed", 2, marks=pytest.mark.deepspeed)],
+)
+def test_an_optimizer_that_distributes_itself_is_refused_past_stage_0_naming_its_single_device_form(
+    engine, stage
+):
     import muon
 
     from lightning_shard.engines import TrainSettings
@@ -236,22 +258,26 @@ def test_an_optimizer_that_distributes_itself_is_refused_past_stage_0_naming_its
     with pytest.raises(
         ValueError, match=r"cannot step muon.MuonWithAuxAdam.*Use muon.SingleDeviceMuonWithAuxAdam"
     ):
-        make_engine("fsdp", stage).setup_optimizers(module, [optimizer], [], TrainSettings(1, None, None))
+        make_engine(engine, stage).setup_optimizers(module, [optimizer], [], TrainSettings(1, None, None))
 
 
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_refuses_a_whole_matrix_optimizer_naming_the_fsdp_engine(stage):
+def test_deepspeed_refuses_a_whole_matrix_optimizer_with_expert_parallelism_naming_the_fsdp_engine(
+    monkeypatch,
+):
     from lightning_shard.engines import TrainSettings
+    from lightning_shard.engines import _deepspeed_experts as experts
     from tests.helpers import make_engine
 
-    engine = make_engine("deepspeed", stage)
+    monkeypatch.setattr(
+        experts, "has_experts", lambda model: True
+    )  # as a model with experts split over ranks
     module = MatrixMLP()
     muon = torch.optim.Muon(module.parameters(), lr=0.05)
     with pytest.raises(
         ValueError, match=r"cannot step Muon, whose update needs whole matrices.*engine='fsdp'"
     ):
-        engine.setup_optimizers(module, [muon], [], TrainSettings(1, None, None))
+        make_engine("deepspeed", 2).setup_optimizers(module, [muon], [], TrainSettings(1, None, None))
 
 
 def _orthogonalized(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:

@@ -295,8 +295,9 @@ def load_into_deepspeed(
                 f" {layout.world_size} ranks, with precision='32-true', or with engine='fsdp', which reads the"
                 " fp32 weights."
             )
-        # No optimizer state to move: the module's weights are the fp32 master weights, on any world size.
-        if model.zero_optimization_partition_weights():
+        # No optimizer state to move: the module's weights are the fp32 master weights, on any world size. A
+        # ZeRO-3 checkpoint has no whole module file for DeepSpeed's reader at stages 1-2.
+        if model.zero_optimization_partition_weights() or layout.stage == 3:
             loaded, client_state = _load_zero3_module(model, path)
         else:
             loaded, client_state = model.load_checkpoint(
@@ -314,7 +315,8 @@ def load_into_deepspeed(
 
 
 def _load_zero3_module(model: Any, path: Path) -> tuple[str, dict[str, Any]]:
-    """What DeepSpeed's ``load_checkpoint(load_module_only=True)`` does at ZeRO-3, on any number of ranks: every
+    """What DeepSpeed's ``load_checkpoint(load_module_only=True)`` does at ZeRO-3 (or from a ZeRO-3 checkpoint),
+    on any number of ranks: every
     rank rebuilds the fp32 weights from all partitions (``zero_to_fp32``), rank 0's copy goes into the
     partitioned parameters, and the optimizer's fp32 partitions are refreshed from them. DeepSpeed's own call
     reads this rank's ``zero_pp_rank_<r>`` file for the client state, which a run on more ranks than saved lacks;

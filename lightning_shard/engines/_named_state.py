@@ -101,3 +101,26 @@ def nested(fields: dict[str, Any]) -> dict[Any, Any]:
 
     out: dict[Any, Any] = build(json.loads(bytes(fields[STRUCTURE].tolist()).decode()))
     return out
+
+
+def copied_to(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor of more than one element on ``device`` (scalars, e.g. Adam's ``step``, stay
+    where torch keeps them), copied; containers rebuilt."""
+    if torch.is_tensor(value):
+        return value.detach().to(device, copy=True) if value.dim() > 0 else value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copied_to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied_to(v, device) for v in value)
+    return value
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in ``value`` (nested dicts, lists, tuples)."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    return []

@@ -340,7 +340,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, full: bool) -> 
     names = _names(model)
     if full:  # one file, pickled by torch.save: each entry as the optimizer keeps it, on the CPU
         state = {
-            name: _to(optimizer.state[key], torch.device("cpu"))
+            name: named_state.copied_to(optimizer.state[key], torch.device("cpu"))
             for name, key in _entries(whole, names)
             if key in optimizer.state
         }
@@ -368,18 +368,6 @@ def load_target(model: nn.Module, optimizer: Optimizer, meta: Any, key: str) -> 
     return {"state": state, "param_groups": _groups(optimizer, names)}
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor of more than one element on ``device`` (scalars, e.g. Adam's ``step``, stay
-    where torch keeps them), copied; containers rebuilt."""
-    if torch.is_tensor(value):
-        return value.detach().to(device, copy=True) if value.dim() > 0 else value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Install the entries this rank holds (from any stage's checkpoint) and every group's hyperparameters."""
     whole = whole_matrix_step(optimizer)
@@ -390,5 +378,5 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict
         if entry is None:
             continue
         device = key.device if key.numel() else next(p for p, s in whole.stand_ins.items() if s is key).device
-        optimizer.state[key] = _to(named_state.nested(entry), device)
+        optimizer.state[key] = named_state.copied_to(named_state.nested(entry), device)
     named_state.load_hyperparameters(optimizer.param_groups, state_dict["param_groups"])

@@ -36,6 +36,7 @@ from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines import _deepspeed_experts as experts
+from lightning_shard.engines import _deepspeed_matrix as matrices
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
     DeepSpeedPrecision,
@@ -43,7 +44,7 @@ from lightning_shard.engines._deepspeed_precision import (
     check_precision,
 )
 from lightning_shard.engines._ds_ops import cpu_adam
-from lightning_shard.engines._whole_matrix import needs_whole_matrices
+from lightning_shard.engines._whole_matrix import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 from lightning_shard.parallel.mesh import expert_meshes
 
@@ -127,16 +128,22 @@ class DeepSpeedEngine(Engine):
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
+        whole = self.stage >= 1 and any(
+            needs_whole_matrices(optimizer, self.config.matrix_optimizer) for optimizer in optimizers
+        )
         for optimizer in optimizers:
-            if self.stage >= 1 and needs_whole_matrices(optimizer, self.config.matrix_optimizer):
-                raise ValueError(
-                    f"ShardStrategy(engine='deepspeed', stage={self.stage}) cannot step {type(optimizer).__name__},"
-                    " whose update needs whole matrices: DeepSpeed ZeRO flattens the parameters into 1-D partitions"
-                    " and hands the optimizer those. Use engine='fsdp' (at stages 2-3 each matrix is gathered whole on"
-                    " one owner rank; docs/optimizers.md), or stage=0."
-                )
+            check_own_distribution(optimizer, self.stage)
+        if whole and experts.has_experts(model):
+            raise ValueError(
+                f"ShardStrategy(engine='deepspeed', stage={self.stage}, expert_parallel_size=...) cannot step"
+                f" {type(optimizers[0]).__name__}, whose update needs whole matrices: DeepSpeed reduces and"
+                " partitions each expert block over its own group, which the whole-matrix step does not follow."
+                " Use engine='fsdp', which steps whole matrices with expert parallelism (docs/optimizers.md)."
+            )
         config = self.ds_config(settings)
         engine, ds_optimizer, client_optimizer = self._initialize(model, optimizers, config)
+        if whole:  # the user's optimizer on whole matrices, over ZeRO's partitions
+            matrices.step_whole_matrices(engine, torch.device(self.run.device))
         # Schedulers follow the optimizer DeepSpeed steps (CPU-Adam when the optimizer is offloaded).
         rebind_schedulers(schedulers, optimizers, [client_optimizer])
         if isinstance(self.precision, DeepSpeedPrecision):
@@ -279,6 +286,8 @@ class DeepSpeedEngine(Engine):
                 experts.save(model, tmp, checkpoint, expert_meshes(self.run.expert_mesh)[1].get_local_rank())
             else:
                 model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
+            if matrices.whole_matrix_step(model) is not None:
+                matrices.save(model, tmp)
 
         if isinstance(path, Remote):  # DeepSpeed writes local files only
             write_staged(path, write, self.run.is_global_zero, self.run.barrier)
@@ -308,15 +317,17 @@ class DeepSpeedEngine(Engine):
         moved = load_into_deepspeed(
             model, path, run.world_size, run.is_global_zero, run.barrier, self.precision.is_mixed
         )
-        if moved is not None:
-            return moved
-        load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
-            str(path), tag=TAG, load_lr_scheduler_states=False
-        )
-        if load_path is None:
-            raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
-        # What the caller saved beside the model: DeepSpeed's own entries are read by DeepSpeed alone.
-        return {key: value for key, value in client_state.items() if key not in DEEPSPEED_ENTRIES}
+        if moved is None:
+            load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
+                str(path), tag=TAG, load_lr_scheduler_states=False
+            )
+            if load_path is None:
+                raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
+            # What the caller saved beside the model: DeepSpeed's own entries are read by DeepSpeed alone.
+            moved = {key: value for key, value in client_state.items() if key not in DEEPSPEED_ENTRIES}
+        if matrices.whole_matrix_step(model) is not None:  # the owned entries, moved to this run's owners
+            matrices.load(model, path)
+        return moved
 
     def _load_weights_only(self, model: nn.Module, path: Path) -> dict[str, Any]:
         """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more).
@@ -355,10 +366,11 @@ class DeepSpeedEngine(Engine):
         for tensor in masters:
             held.add("optimizer", tensor)
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
-        for state in inner.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    held.add("optimizer", value)
+        whole = matrices.whole_matrix_step(model)
+        owned = [] if whole is None else whole.state_tensors()
+        for value in [v for state in inner.state.values() for v in state.values()] + owned:
+            if torch.is_tensor(value) and value.dim() > 0:
+                held.add("optimizer", value)
         if self.config.nvme_path is not None:
             swapped = sum(
                 f.stat().st_size
