@@ -1,7 +1,7 @@
 """``torch.optim.Muon`` under ``ShardStrategy(engine='deepspeed')`` at ZeRO-1, 2 and 3, side by side with
 Lightning's ``DDPStrategy`` on the same ranks and data (clipping on, a matrix with a zero gradient): the same
 losses and weights, each matrix's momentum on one rank only, and a ZeRO-3 checkpoint resumed on another world
-size with every momentum moved to its new owner.
+size with every momentum moved to its new owner; a Fabric loop on both engines at stage 3 gives DDP's losses.
 
 ZeRO hands the optimizer flat 1-D partitions (torch's Muon refuses them, ``Param gradient must be a 2D matrix``);
 here each matrix is summed whole onto its owner, stepped by the user's Muon, and its update copied back into
@@ -73,6 +73,41 @@ def _side_by_side(root: str) -> dict[str, Any]:
         out[stage] = {k: v for k, v in run.items() if k != "trainer"}
     ddp = _fit(DDPStrategy(), world)
     out["ddp"] = {k: v for k, v in ddp.items() if k != "trainer"}
+    out["fabric"] = _fabric_runs(world)
+    return out
+
+
+def _fabric_runs(world: int) -> dict[str, Any]:
+    """A Fabric loop with ``torch.optim.Muon``: both engines at stage 3, and Lightning's DDP."""
+    import lightning as L
+    from lightning.fabric.strategies import DDPStrategy
+
+    from lightning_shard import ShardFabricStrategy
+
+    out: dict[str, Any] = {}
+    for name, strategy in {
+        "fsdp": ShardFabricStrategy(stage=3),
+        "deepspeed": ShardFabricStrategy(stage=3, engine="deepspeed"),
+        "ddp": DDPStrategy(),
+    }.items():
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+        fabric.launch()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, WIDTH, bias=False), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 8, bias=False)
+        )
+        model, optimizer = fabric.setup(model, torch.optim.Muon(model.parameters(), lr=0.05))
+        g = torch.Generator().manual_seed(1 + fabric.global_rank)
+        losses = []
+        for _ in range(STEPS):
+            loss = torch.nn.functional.mse_loss(
+                model(torch.randn(4, 16, generator=g)), torch.randn(4, 8, generator=g)
+            )
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[name] = losses
     return out
 
 
@@ -93,6 +128,9 @@ def test_muon_under_deepspeed_zero_1_2_3_matches_ddp_with_each_momentum_on_one_r
             assert 0 < result[stage]["state_bytes"] <= reference_state / 2 + largest, (stage, rank)
         # ZeRO-3 holds a slice of every matrix on each rank: each is summed onto its owner, its update sent back.
         assert result[3]["traffic"]["gathered"] > 0 and result[3]["traffic"]["broadcast"] > 0, rank
+    for result in ranks:  # Fabric: both engines give DDP's losses
+        for name in ("fsdp", "deepspeed"):
+            torch.testing.assert_close(result["fabric"][name], result["fabric"]["ddp"], rtol=1e-5, atol=0)
     for stage in CASES:  # each matrix's momentum once across the ranks
         assert sum(r[stage]["state_bytes"] for r in ranks) == reference_state, stage
         names = [name for r in ranks for name in r[stage]["momentum"]]
