@@ -32,6 +32,7 @@ import torch
 from lightning_shard import checkpoint
 from lightning_shard.checkpoint._hf_plan import refusal_cause
 from lightning_shard.engines._ds_ops import build_deepspeed_ops
+from lightning_shard.fault_tolerance import run_lighthouse
 from lightning_shard.planner import available_device_memory, plan
 from lightning_shard.planner.experts import check_flags
 from lightning_shard.planner.mesh import check_sizes
@@ -181,6 +182,14 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a run's loss and MFU over steps from its CSV logs, as a PNG")
     plot.add_argument("run_dir", help="the run's directory (its logger's save_dir, e.g. outputs/zero3)")
     plot.add_argument("--out", help="the PNG to write (default: RUN_DIR/run.png)")
+    lighthouse = sub.add_parser(
+        "lighthouse", help="serve the Lighthouse replica groups join at every step (fault_tolerance=...)"
+    )
+    lighthouse.add_argument("--min-replicas", type=_positive_int, default=1, help="groups a quorum needs")
+    lighthouse.add_argument("--port", type=int, default=29510, help="port to listen on (default 29510)")
+    lighthouse.add_argument(
+        "--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for more groups to join"
+    )
     sub.add_parser(
         "build-ops",
         help="build DeepSpeed's compiled ops (CPU Adam, async I/O for NVMe, ...) once, before any job loads them",
@@ -409,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, ImportError) as err:
             print(err, file=sys.stderr)
             return 2
+    elif args.command == "lighthouse":
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return run_lighthouse(args.min_replicas, args.port, args.join_timeout_ms)
     elif args.command == "build-ops":
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")

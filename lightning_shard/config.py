@@ -21,6 +21,7 @@ from lightning_shard.checkpoint.init_weights import open_weights
 from lightning_shard.compile import check_compile
 from lightning_shard.compression import check_compression
 from lightning_shard.context_parallel import METHODS
+from lightning_shard.fault_tolerance import FaultTolerance
 from lightning_shard.flags import FLAG_NAMES, CheckpointMode, EngineFlag, EngineName, ShardFlags
 from lightning_shard.fp8 import Fp8Settings, check_fp8
 from lightning_shard.parallel.plan import check_plan_flag
@@ -56,6 +57,8 @@ class ShardConfig(ShardFlags):
     """Float8 training (torchao) of the chosen Linear layers (None: off)."""
     matrix_optimizer: bool | tuple[type, ...] | None = None
     """Whole-matrix optimizers: ``None`` (the known classes), every optimizer or none, or the classes named."""
+    fault_tolerance: Any = None
+    """A checked ``FaultTolerance`` (replica groups healed from a live peer, torchft), or None."""
     gradient_compression: dict[str, Any] | None = None
     """Stages 0-1: ``{"method": "bf16" | "fp16" | "powersgd", **PowerSGDState options}`` (None: off)."""
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +147,7 @@ class ShardConfig(ShardFlags):
             fp8=fp8,
             gradient_compression=compression,
             matrix_optimizer=_check_matrix_optimizer(flags.matrix_optimizer),
+            fault_tolerance=_check_fault_tolerance(flags, stage, engine_name),
         )
         return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
 
@@ -278,6 +282,31 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
             " communication hook (docs/expert_parallel.md). Drop gradient_compression, or use"
             " expert_parallel_size=1."
         )
+
+
+def _check_fault_tolerance(flags: ShardFlags, stage: Any, engine: str) -> FaultTolerance | None:
+    ft = FaultTolerance.from_flag(flags.fault_tolerance)
+    if ft is None:
+        return None
+    given = "ShardStrategy(fault_tolerance=...,"
+    if engine == "deepspeed":
+        raise ValueError(
+            f"{given} engine='deepspeed') is not available: DeepSpeed has no elastic replicate dimension (its"
+            " gradient reduction spans one fixed world). Use engine='fsdp'."
+        )
+    if stage not in (2, 3):
+        raise ValueError(
+            f"{given} stage={stage!r}) is not available: the groups' gradients are averaged through FSDP2's"
+            " all-reduce hook, which stages 2-3 have. Use stage=2 or 3 (stage 2 keeps the parameters gathered"
+            " between forward and backward, as DDP-like memory allows)."
+        )
+    if flags.replicate_size != 1 or flags.pipeline_parallel_size != 1:
+        raise ValueError(
+            f"{given} replicate_size={flags.replicate_size}, pipeline_parallel_size={flags.pipeline_parallel_size})"
+            " is not available: the replica groups are the replicate dimension (each group shards over its own"
+            " ranks), and pipeline stages are not healed. Set replicate_size=1 and pipeline_parallel_size=1."
+        )
+    return ft
 
 
 def _check_matrix_optimizer(flag: Any) -> bool | tuple[type, ...] | None:

@@ -252,6 +252,15 @@ class ShardFlags:
         " rank (docs/optimizers.md).",
         "engines/fsdp.py, engines/deepspeed.py, engines/_whole_matrix.py",
     )
+    fault_tolerance: dict[str, Any] | None = _flag(
+        None,
+        "replica groups that train on while one is lost and rejoins, healed from a live peer (torchft):"
+        " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
+        " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
+        " TORCHFT_MIN_REPLICAS; stages 2-3 of the FSDP engine (docs/fault_tolerance.md).",
+        "config.py, core/process_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py",
+        trainer_only=True,
+    )
 
 
 #: The flags' names, in declaration order.

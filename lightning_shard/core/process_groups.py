@@ -182,10 +182,11 @@ class ProcessGroups:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The ranks of one tensor-parallel group, and the stages of one pipeline, read the same batches.
         layout = self.layout
-        return {
-            "num_replicas": layout.data_parallel_size,
-            "rank": layout.data_parallel_rank(self.global_rank),
-        }
+        size, rank = layout.data_parallel_size, layout.data_parallel_rank(self.global_rank)
+        ft = self.config.fault_tolerance
+        if ft is not None:  # every rank of every replica group reads its own part, as one HSDP job would
+            return {"num_replicas": size * ft.replica_groups, "rank": ft.replica_id * size + rank}
+        return {"num_replicas": size, "rank": rank}
 
     def _configure_launcher(self) -> None:
         # Runs while the Trainer / Fabric is built: sizes that do not divide the world fail before any

@@ -75,6 +75,12 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             "it is a Trainer optimizer-step hook. In a Fabric loop,"
             " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
         ),
+        (
+            "fault_tolerance=...",
+            config.fault_tolerance is not None,
+            "the quorum, the commit gate and the heal are built into the Trainer's loop. Train the replica"
+            " groups with lightning.Trainer(strategy=ShardStrategy(fault_tolerance=...))",
+        ),
     ]
     for flag, hit, why in refused:
         if hit:

@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard import _ddp
-from lightning_shard._meta import parameters_on_meta
 from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import scale_loss
@@ -35,9 +34,12 @@ from lightning_shard.core import ProcessGroups, Session, guarded, transform
 from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import ShardFabricStrategy
+from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 from lightning_shard.flags import args_doc, bind, takes_flags
 from lightning_shard.planner import auto_stage
 from lightning_shard.trainer import _compat as trainer_compat
+from lightning_shard.trainer import _contexts as init_contexts
+from lightning_shard.trainer import _fault_tolerance as fault_tolerance
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard.trainer._checkpoint import interrupted, last_on_object_stores, with_module_state
 from lightning_shard.trainer._pipeline import check_contract, predict_inputs, split_batch
@@ -76,6 +78,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         self._engine_live = False  # the session's engine serves the current Trainer call
         self._preemption = Preemption()
         self._empty_init = False  # init_module(empty_init=True) was used: configure_model builds empty too
+        self._replicas: ReplicaGroups | None = None  # fault_tolerance: this replica group, while fitting
 
     __doc__ = (__doc__ or "").rstrip() + "\n\n" + args_doc() + "\n"
 
@@ -117,22 +120,14 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        # Asked for: configure_model, run later by fit, then builds straight into shards too.
-        self._empty_init = True
-        # Parameters on the meta device until set-up shards them (buffers are built as usual).
-        with parameters_on_meta(), self.root_device, self.precision_plugin.tensor_init_context():
+        self._empty_init = True  # configure_model, run later by fit, then builds straight into shards too
+        with init_contexts.on_meta(self):
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        # configure_model builds on real memory, as under Lightning's DDP and ModelParallel strategies,
-        # unless the module was built under init_module(empty_init=True): then straight into shards
-        # (parameters on the meta device; DeepSpeed ZeRO-3: zero.Init).
-        if not self._empty_init:
-            yield
-            return
-        with self._engine_class.construction_context(self.config, self.precision_plugin.policy):
+        with init_contexts.into_shards(self):
             yield
 
     @property
@@ -157,21 +152,18 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if self.pipeline_stage is not None:
             check_contract(self._lm, self.config.pipeline_parallel_size)  # before the cut
         transform.prepare_precision(self.precision_plugin.policy, self)
-        earlier = self._session
-        self._session = transform.prepare(
-            self._lm,
-            self.config,
-            self.precision_plugin.policy,
-            self,
-            engine=earlier.engine if earlier is not None and self._engine_live else None,
-            loss_fn=getattr(self._lm, "pipeline_loss", None),  # checked above, with pipeline stages
-        )
+        earlier, policy = self._session, self.precision_plugin.policy
+        engine = earlier.engine if earlier is not None and self._engine_live else None
+        loss_fn = getattr(self._lm, "pipeline_loss", None)  # checked above, with pipeline stages
+        self._session = transform.prepare(self._lm, self.config, policy, self, engine=engine, loss_fn=loss_fn)
         if earlier is not None and earlier.guard is not None:
             self._session.guard = earlier.guard  # skipped steps count over the Trainer's calls
         self.model, self.config = self._session.model, self._session.config
         self._engine_live = True
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.config.fault_tolerance is not None:
+                self._replicas = fault_tolerance.start(self, trainer)
         self.setup_precision_plugin()
         # Lightning's own callbacks and tuner report as under DDPStrategy, or are refused with the fix.
         adapt_lightning_callbacks(trainer, self)
@@ -341,6 +333,11 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @override
     @guarded
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._replicas is not None:  # the step only if it commits on every replica group
+            return fault_tolerance.step(self, self._replicas, optimizer, closure, model, **kwargs)
+        return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         session, module = self._live(), self._lm
         if session.engine.owns_step:
             result = closure()
@@ -357,6 +354,10 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if not module.automatic_optimization:
             session.after_manual_step()
         return result
+
+    @property
+    def replica_group(self) -> ReplicaGroups | None:  # fault_tolerance: participants, discarded, heals
+        return self._replicas
 
     @property
     def skipped_steps(self) -> int:
@@ -410,7 +411,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             raise TypeError(
                 "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
             )
-        if self.refuse_write_after_failure(filepath):
+        if self.refuse_write_after_failure(filepath) or not fault_tolerance.writes(self._replicas):
             return
         exception = interrupted(self.lightning_module)
         self._save_checkpoint(checkpoint, filepath, exception=exception)
@@ -430,7 +431,8 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self.engine.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
+        if fault_tolerance.writes(self._replicas):  # with fault tolerance, the lowest live group only
+            self.engine.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
 
     @override
     @guarded

@@ -1,0 +1,87 @@
+"""A fault-tolerant run on one machine: a Lighthouse and N replica groups of ``train.py`` (one ``torchrun`` each).
+
+    python examples/fault_tolerance/launch.py --groups 2 --ranks 2 --out outputs/ft --kill-group 1 --kill-at-step 8
+
+With ``--kill-group G --kill-at-step K`` every process of group G exits at step K (as a lost host would); the
+launcher restarts that group alone, and it heals from a live group while the others train on: no process of
+theirs restarts, and no checkpoint is read. ``--plain`` runs the same model as one HSDP job of
+``groups x ranks`` processes instead (the reference a fault-free run equals). Each group writes its losses and
+what it did (participants per step, steps discarded, heal time) to ``OUT/stageS/groupG.rankR.json``, its final
+weights and optimizer state to ``OUT/stageS/groupG.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lightning_shard.demos.ranks import free_port
+from lightning_shard.fault_tolerance import serve_lighthouse
+
+TRAIN = Path(__file__).with_name("train.py")
+
+
+def torchrun(ranks: int, *args: str, env: dict[str, str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.Popen([*command, str(TRAIN), *args], env={**os.environ, **env})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="processes per group")
+    parser.add_argument("--stage", default="3", help="the ZeRO stage, or several fitted in turn (2,3)")
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kill-group", type=int, default=None)
+    parser.add_argument("--kill-at-step", type=int, default=8)
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="groups each step needs (2: no step alone)"
+    )
+    parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a demo)")
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args(argv)
+    train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
+    train += ["--step-time", str(args.step_time)]
+    if args.plain:
+        env = {"NUM_REPLICA_GROUPS": str(args.groups)}
+        return torchrun(args.groups * args.ranks, *train, "--plain", env=env).wait()
+
+    port = free_port()
+    # A quorum waits up to 5 s for groups that heartbeat but have not asked yet (a restarted one, setting up).
+    lighthouse = serve_lighthouse(min_replicas=args.min_replicas, port=port, join_timeout_ms=5000)
+    env = {
+        "NUM_REPLICA_GROUPS": str(args.groups),
+        "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+        "TORCHFT_MIN_REPLICAS": str(args.min_replicas),
+    }
+    try:
+        groups = {}
+        for g in range(args.groups):
+            kill = ["--die-at-step", str(args.kill_at_step)] if g == args.kill_group else []
+            groups[g] = torchrun(args.ranks, *train, *kill, env={**env, "REPLICA_GROUP_ID": str(g)})
+        restarted = False
+        while any(p.poll() is None for p in groups.values()):
+            time.sleep(0.5)
+            dead = [g for g, p in groups.items() if p.poll() not in (None, 0)]
+            if dead == [args.kill_group] and not restarted:
+                print(f"launch: group {args.kill_group} died; restarting it alone", flush=True)
+                groups[args.kill_group] = torchrun(
+                    args.ranks, *train, env={**env, "REPLICA_GROUP_ID": str(args.kill_group)}
+                )
+                restarted = True
+            elif dead:
+                for p in groups.values():
+                    p.kill()
+                return 1
+        return max(p.returncode for p in groups.values())
+    finally:
+        lighthouse.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

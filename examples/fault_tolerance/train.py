@@ -1,0 +1,114 @@
+"""One replica group of a fault-tolerant run: the demo GPT trained with ``ShardStrategy(fault_tolerance={})``.
+
+Launch one per group, each its own job (``torchrun`` here; one ``srun`` step per group on SLURM), with
+``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` set (``launch.py`` does it all on one
+machine). ``--plain`` trains the same model as one job of ``NUM_REPLICA_GROUPS`` x ranks with HSDP instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.gpt import GPTModule, TextDataModule
+
+
+class Record(L.Callback):
+    """Each step's loss; the group's processes exit at ``die_at`` (a failure), once (a marker file says so).
+    Every group waits for the others' first step (``ready`` files) so that they start together, and
+    ``step_time`` slows each step (a demo on one machine: a restarted group needs seconds to start)."""
+
+    def __init__(self, die_at: int | None, out: Path, name: str, groups: int, step_time: float) -> None:
+        self.losses: list[float] = []
+        self.die_at, self.marker, self.step_time = die_at, out / f"{name}.died", step_time
+        self.ready, self.all_ready = out / f"{name}.ready", [out / f"group{g}.ready" for g in range(groups)]
+
+    def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+        self.ready.touch()
+        deadline = time.monotonic() + 120
+        while not all(path.exists() for path in self.all_ready) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.die_at is not None and trainer.global_step == self.die_at and not self.marker.exists():
+            trainer.strategy.barrier()
+            if trainer.global_rank == 0:
+                self.marker.touch()
+            os._exit(1)  # every rank of this group dies here, mid-run
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        time.sleep(self.step_time)
+
+
+def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
+    """One fit at ``stage``; this rank's record in ``out``."""
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+    name = "plain" if args.plain else f"group{os.environ['REPLICA_GROUP_ID']}"
+    out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(0)
+    model = GPTModule(vocab_size=256, seq_len=32, d_model=32, n_layers=2, n_heads=2, max_steps=args.max_steps)
+    data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
+    flags: dict[str, Any] = {"replicate_size": groups} if args.plain else {"fault_tolerance": {"timeout": 20}}
+    record = Record(args.die_at_step, out, name, 0 if args.plain else groups, args.step_time)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=ShardStrategy(stage=stage, **flags),
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[record],
+    )
+    trainer.fit(model, datamodule=data)
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(trainer.strategy.model, options=full)
+    optimizer = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
+    replicas = trainer.strategy.replica_group  # what the replica group did (None: no fault tolerance)
+    rank = trainer.global_rank
+    result = {
+        "losses": record.losses,
+        "global_step": trainer.global_step,
+        "participants": replicas.participants if replicas else None,
+        "discarded": replicas.discarded if replicas else None,
+        "heals": replicas.heals if replicas else None,
+    }
+    (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        torch.save({"weights": weights, "optimizer": optimizer["state"]}, out / f"{name}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--stage", default="3", help="the ZeRO stage, or several to fit one after the other (2,3)"
+    )
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, required=True, help="a directory for each stage's results")
+    parser.add_argument("--die-at-step", type=int, default=None, help="this group's ranks exit at that step")
+    parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
+    parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
+    args = parser.parse_args()
+    for stage in map(int, args.stage.split(",")):
+        fit(args, stage, args.out / f"stage{stage}")
+
+
+if __name__ == "__main__":
+    main()

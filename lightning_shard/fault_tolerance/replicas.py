@@ -1,0 +1,213 @@
+"""One replica group's side of a fault-tolerant run: torchft's Manager, the cross-group gradient average, the
+commit gate, and the state a restarted group heals from.
+
+Inside the group the model is sharded as the stage says (FSDP2 over the group's ranks). After FSDP2's
+reduce-scatter has averaged each gradient shard over the group, its all-reduce hook (``set_all_reduce_hook``,
+where HSDP's replicate all-reduce would run) averages the shard over the groups taking part in the step,
+through the Manager's reconfigurable gloo group: rank ``r`` of every group holds the same shard. The quorum is
+joined synchronously before each step; the optimizer steps only if ``should_commit`` says every participant
+succeeded, else the gradients are dropped and the step is discarded on every group.
+
+A group that joins a running job heals from a live peer at its first quorum: model and optimizer state (this
+rank's shards, as rank ``r`` of the peer holds them) and whatever ``extra_state`` gives (the Trainer's loops,
+callbacks, schedulers, RNG), sent by torchft's HTTP transport and read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_shard.fault_tolerance import FaultTolerance, check_reachable
+
+log = logging.getLogger(__name__)
+_KEY = "lightning_shard"
+
+
+def _local(value: Any) -> Any:
+    """``value`` with every DTensor replaced by this rank's local tensor (containers rebuilt)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _safe_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, its payload read with ``weights_only=True``."""
+    from torchft.checkpointing import _serialization  # optional: torchft
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):  # type: ignore[misc]
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
+
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _serialization._streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+class ReplicaGroups:
+    """This process's member of replica group ``ft.replica_id`` (rank ``group_rank`` of ``group_size``), for
+    every fit of the process (its Manager lives until :meth:`shutdown`, as the process groups do)."""
+
+    def __init__(self, ft: FaultTolerance, group_rank: int, group_size: int) -> None:
+        from torchft import Manager, ProcessGroupGloo  # optional: torchft
+
+        check_reachable(ft)
+        self.ft = ft
+        timeout = timedelta(seconds=ft.timeout)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        #: What else a peer sends a healing group (the Trainer's state), and how it is applied: set per fit.
+        self.extra_state: Callable[[], dict[str, Any]] = dict
+        self.load_extra: Callable[[dict[str, Any]], None] = lambda state: None
+        self.model: nn.Module | None = None
+        self.optimizers: list[Optimizer] = []
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=ft.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_size,
+            replica_id=f"replica_{ft.replica_id}",
+            lighthouse_addr=ft.lighthouse,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            checkpoint_transport=_safe_transport(timeout),
+        )
+        self.manager.register_state_dict_fn(_KEY, self._load, self._state)
+        self._quorum_ready = False  # a quorum was joined and no step has used it yet
+        #: Participants of each step so far, the steps discarded, and the seconds each heal took.
+        self.participants: list[int] = []
+        self.discarded = 0
+        self.heals: list[float] = []
+        self.healed: dict[str, Any] | None = (
+            None  # the extra state of the last heal, until the caller takes it
+        )
+
+    # --- set-up ------------------------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        """Average every FSDP2 gradient shard of ``model`` over the participating groups (at each fit)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        self.model, self.optimizers = model, list(optimizers)
+        self.participants, self.discarded, self.heals = [], 0, []  # this fit's record
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not modules:
+            raise ValueError(
+                "ShardStrategy(fault_tolerance=...) averages the gradients across replica groups through FSDP2's"
+                " all-reduce hook, and the model has no FSDP2 module: use stage=2 or 3 (engine='fsdp')."
+            )
+        for module in modules:
+            module.set_all_reduce_hook(self._all_reduce)
+
+    def _all_reduce(self, output: torch.Tensor) -> None:
+        self.manager.allreduce(output).wait()
+
+    def join(self) -> None:
+        """Join a quorum (healing first if this group is behind); the next step uses it."""
+        started = time.monotonic()
+        self.healed = None
+        self.manager.start_quorum()
+        self._quorum_ready = True
+        if self.healed is not None:
+            self.heals.append(time.monotonic() - started)
+            log.info(
+                "Replica group %d healed from a live peer in %.2f s.", self.ft.replica_id, self.heals[-1]
+            )
+
+    # --- steps -------------------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """One training step: the quorum, ``closure`` (forward, backward, the cross-group average), then
+        ``optimizer_step`` only if the step commits on every participating group."""
+        if not self._quorum_ready:
+            self.join()
+        self._quorum_ready = False
+        result = closure()
+        self.participants.append(self.manager.num_participants())
+        if self.manager.should_commit():
+            optimizer_step(lambda: result)
+            return result
+        self.discarded += 1
+        log.warning(
+            "Replica group %d: step discarded (a participant failed or too few groups); %d discarded so far.",
+            self.ft.replica_id,
+            self.discarded,
+        )
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return None
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the run's checkpoints: the lowest group of the last quorum only."""
+        return self.manager.participating_rank() == 0
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # --- healing -----------------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        """What a restarted group needs (called in torchft's quorum thread while this process waits on the
+        quorum, between steps: no collective)."""
+        assert self.model is not None
+        return {
+            "model": _local(self.model.state_dict()),
+            "optimizers": [_local(optimizer.state_dict()) for optimizer in self.optimizers],
+            "extra": self.extra_state(),
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self.model is not None
+        with torch.no_grad():
+            for name, value in self.model.state_dict().items():
+                _local(value).copy_(state["model"][name])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(_as_dtensors(optimizer, saved))
+        self.healed = state["extra"]
+        self.load_extra(state["extra"])
+
+
+def _as_dtensors(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A peer's local optimizer state, each tensor shaped like its parameter's shard made that DTensor."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in saved["state"].items():
+        p = params[index]
+        state[index] = {
+            key: DTensor.from_local(
+                value.to(p.device),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            if isinstance(p, DTensor)
+            and torch.is_tensor(value)
+            and value.dim() > 0
+            and value.shape == p.to_local().shape
+            else value
+            for key, value in entry.items()
+        }
+    return {"state": state, "param_groups": saved["param_groups"]}

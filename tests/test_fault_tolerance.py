@@ -1,0 +1,135 @@
+"""``ShardStrategy(fault_tolerance=...)``: the flag's checks (before any process starts), the environment
+fallbacks one launch command per group relies on, an unreachable Lighthouse, and `lightning-shard lighthouse`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_shard import ShardStrategy
+from lightning_shard.demos.ranks import free_port, run_ranks
+from lightning_shard.fault_tolerance import FaultTolerance
+
+pytest.importorskip("torchft")
+
+GOOD = {"replica_id": 0, "replica_groups": 2, "lighthouse": "http://localhost:29510"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(fault_tolerance={"replica_groups": 2}), r"needs 'replica_id', 'lighthouse'.*REPLICA_GROUP_ID"),
+        (dict(fault_tolerance={**GOOD, "replica_id": 2}), r"replica_id=2 must be in \[0, replica_groups=2\)"),
+        (
+            dict(fault_tolerance={**GOOD, "min_replicas": 3}),
+            r"min_replicas=3 must be in \[1, replica_groups=2\]",
+        ),
+        (
+            dict(fault_tolerance={**GOOD, "lighthouse": "localhost"}),
+            r"lighthouse='localhost' must be.*http://HOST:PORT",
+        ),
+        (dict(fault_tolerance={**GOOD, "replicas": 2}), r"has no key 'replicas'"),
+        (
+            dict(fault_tolerance=GOOD, engine="deepspeed"),
+            r"engine='deepspeed'\) is not available.*engine='fsdp'",
+        ),
+        (dict(fault_tolerance=GOOD, stage=1), r"stage=1\) is not available.*stage=2 or 3"),
+        (
+            dict(fault_tolerance=GOOD, replicate_size=2),
+            r"replicate_size=2.*the replica groups are the replicate",
+        ),
+    ],
+)
+def test_bad_fault_tolerance_flags_are_refused_naming_the_value_and_fix(flags, message):
+    with pytest.raises(ValueError, match=message):
+        ShardStrategy(**flags)
+
+
+def test_the_fabric_door_refuses_it_naming_the_trainer():
+    from lightning_shard import ShardFabricStrategy
+
+    with pytest.raises(
+        ValueError, match=r"ShardFabricStrategy\(fault_tolerance=...\) is a Trainer-only flag"
+    ):
+        ShardFabricStrategy(fault_tolerance=GOOD)
+
+
+def test_missing_keys_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.setenv("TORCHFT_MIN_REPLICAS", "2")
+    strategy = ShardStrategy(fault_tolerance={"timeout": 30})
+    assert strategy.config.fault_tolerance == FaultTolerance(1, 3, "http://lighthouse:29510", 2, 30.0)
+    # Every rank of every group reads its own part of each batch, as one HSDP job over all of them would.
+    from lightning_shard.parallel.mesh import MeshLayout
+
+    layout = MeshLayout(replicate=1, shard=2, tp=1, pp=1, cp=1, ep=1)  # 2 ranks in this group
+    monkeypatch.setattr(type(strategy), "layout", property(lambda self: layout))
+    monkeypatch.setattr(type(strategy), "global_rank", property(lambda self: 1))
+    kwargs = strategy.distributed_sampler_kwargs
+    assert kwargs == {"num_replicas": 6, "rank": 3}
+
+
+def _fit_without_lighthouse(port: int) -> str:
+    import lightning as L
+
+    from lightning_shard.demos.gpt import GPTModule, TextDataModule
+
+    flags = {"replica_id": 0, "replica_groups": 2, "lighthouse": f"http://localhost:{port}"}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ShardStrategy(stage=3, fault_tolerance=flags),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    try:
+        trainer.fit(GPTModule(d_model=16, n_layers=1, n_heads=2, seq_len=16), TextDataModule(16, 2, 50))
+    except ConnectionError as err:
+        return str(err)
+    return "no error"
+
+
+def test_an_unreachable_lighthouse_is_a_clear_error_naming_its_address():
+    port = free_port()
+    (message,) = run_ranks(_fit_without_lighthouse, port, world_size=1)
+    assert re.search(
+        rf"no Lighthouse answers at http://localhost:{port}.*lightning-shard lighthouse", message
+    )
+
+
+def test_the_lighthouse_command_serves_until_sigterm():
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_shard.cli",
+        "lighthouse",
+        "--min-replicas",
+        "2",
+        "--port",
+        str(port),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert re.match(rf"Lighthouse at http://\S+:{port} \(min_replicas=2\)", line), line
+        FaultTolerance(0, 2, f"http://localhost:{port}")  # and it answers:
+        from lightning_shard.fault_tolerance import check_reachable
+
+        check_reachable(FaultTolerance(0, 2, f"http://localhost:{port}"), wait=5)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert process.returncode == 0

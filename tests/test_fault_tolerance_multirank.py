@@ -1,0 +1,99 @@
+"""Replica groups under ``ShardStrategy(fault_tolerance=...)``, launched as users launch them: a Lighthouse and
+one ``torchrun`` per group (``examples/fault_tolerance/launch.py``), 2 groups x 2 CPU ranks, the demo GPT with
+AdamW and a cosine schedule.
+
+- Without failure the groups give the losses and weights of one 4-rank job with ``replicate_size=2`` (HSDP), at
+  stages 2 and 3: the cross-group average is HSDP's replicate all-reduce, and each rank of each group reads the
+  batch slice that rank of the HSDP job reads (a sampler ignoring the groups reads other data).
+- Every rank of one group killed mid-run, and only that group restarted: the other group's processes run every
+  step to ``max_steps`` (its record holds all of them: it never restarted, and no checkpoint exists), some
+  steps with it alone; the restarted group heals from it (model, AdamW state, loops, scheduler) and both end
+  at the same step with bit-equal weights and optimizer state (a heal without the optimizer state differs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multirank
+pytest.importorskip("torchft")
+
+LAUNCH = Path(__file__).parents[1] / "examples" / "fault_tolerance" / "launch.py"
+RANKS = 2
+
+
+def _launch(out: Path, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(LAUNCH), "--groups", "2", "--ranks", str(RANKS), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _records(folder: Path, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    ranks = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(RANKS)]
+    return ranks, torch.load(folder / f"{name}.pt", weights_only=True)
+
+
+def _plain(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The 4-rank HSDP job's records (rank ``g * 2 + r`` reads what rank ``r`` of group ``g`` reads)."""
+    ranks = [json.loads((folder / f"plain.rank{r}.json").read_text()) for r in range(2 * RANKS)]
+    return ranks, torch.load(folder / "plain.pt", weights_only=True)
+
+
+def _flat(state: dict[Any, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_path):
+    steps = ["--max-steps", "4", "--stage", "2,3"]
+    _launch(tmp_path / "ft", *steps, "--min-replicas", "2")
+    _launch(tmp_path / "hsdp", *steps, "--plain")
+    for stage in (2, 3):
+        plain_ranks, plain = _plain(tmp_path / "hsdp" / f"stage{stage}")
+        for group in range(2):
+            ranks, saved = _records(tmp_path / "ft" / f"stage{stage}", f"group{group}")
+            for rank, record in enumerate(ranks):
+                where = f"stage {stage}, group {group}, rank {rank}"
+                assert record["participants"] == [2] * 4, where  # every step averaged over both groups
+                reference = plain_ranks[group * RANKS + rank]["losses"]
+                torch.testing.assert_close(record["losses"], reference, rtol=1e-5, atol=0, msg=where)
+            for key, weight in plain["weights"].items():
+                torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
+
+
+def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(tmp_path):
+    steps = 24
+    _launch(
+        tmp_path, "--max-steps", str(steps), "--kill-group", "1", "--kill-at-step", "3", "--step-time", "0.3"
+    )
+    survivor, survivor_state = _records(tmp_path / "stage3", "group0")
+    healed, healed_state = _records(tmp_path / "stage3", "group1")
+    for record in survivor:
+        assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
+        assert 1 in record["participants"] and record["participants"][-1] == 2, record["participants"]
+    for record in healed:
+        assert record["global_step"] == steps and record["heals"], record  # healed, at the survivor's step
+        assert len(record["losses"]) < steps  # it ran only the steps after its heal
+    assert survivor_state["weights"].keys() == healed_state["weights"].keys()
+    for key, weight in survivor_state["weights"].items():
+        assert torch.equal(healed_state["weights"][key], weight), key
+    mine, theirs = _flat(survivor_state["optimizer"]), _flat(healed_state["optimizer"])
+    assert mine.keys() == theirs.keys() and any(k.endswith("exp_avg_sq") for k in mine)
+    for key, value in mine.items():
+        assert torch.equal(theirs[key], value) if torch.is_tensor(value) else theirs[key] == value, key
