@@ -9,6 +9,8 @@ AdamW and a cosine schedule.
   step to ``max_steps`` (its record holds all of them: it never restarted, and no checkpoint exists), some
   steps with it alone; the restarted group heals from it (model, AdamW state, loops, scheduler) and both end
   at the same step with bit-equal weights and optimizer state (a heal without the optimizer state differs).
+  A collective of the live group failed at a later step: that step is discarded on both groups (their weights
+  unchanged by it; a step not gated on the commit changes them) and training goes on.
 """
 
 from __future__ import annotations
@@ -78,16 +80,18 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_pat
 
 
 def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(tmp_path):
-    steps = 24
-    _launch(
-        tmp_path, "--max-steps", str(steps), "--kill-group", "1", "--kill-at-step", "3", "--step-time", "0.3"
-    )
+    steps, fail = 24, 20
+    kill = ["--kill-group", "1", "--kill-at-step", "3", "--rejoin-by-step", "12", "--step-time", "0.2"]
+    _launch(tmp_path, "--max-steps", str(steps), *kill, "--fail-group", "0", "--fail-at-step", str(fail))
     survivor, survivor_state = _records(tmp_path / "stage3", "group0")
     healed, healed_state = _records(tmp_path / "stage3", "group1")
     for record in survivor:
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
-        assert 1 in record["participants"] and record["participants"][-1] == 2, record["participants"]
-    for record in healed:
+        assert 1 in record["participants"] and record["participants"][12:] == [2] * 12, record["participants"]
+        # The failed collective at step 20: that step discarded (the weights untouched), every other one taken.
+        assert record["discarded"] == 1 and record["changed"] == [i != fail for i in range(steps)], record
+    for record in healed:  # it took part in step 20, so its step was discarded too
+        assert record["discarded"] == 1 and record["changed"][fail - steps] is False, record
         assert record["global_step"] == steps and record["heals"], record  # healed, at the survivor's step
         assert len(record["losses"]) < steps  # it ran only the steps after its heal
     assert survivor_state["weights"].keys() == healed_state["weights"].keys()

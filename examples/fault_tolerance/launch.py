@@ -4,7 +4,8 @@
 
 With ``--kill-group G --kill-at-step K`` every process of group G exits at step K (as a lost host would); the
 launcher restarts that group alone, and it heals from a live group while the others train on: no process of
-theirs restarts, and no checkpoint is read. ``--plain`` runs the same model as one HSDP job of
+theirs restarts, and no checkpoint is read. ``--fail-group G --fail-at-step K`` fails one collective of group G
+at step K: that step is discarded on every group taking part, and training goes on. ``--plain`` runs the same model as one HSDP job of
 ``groups x ranks`` processes instead (the reference a fault-free run equals). Each group writes its losses and
 what it did (participants per step, steps discarded, heal time) to ``OUT/stageS/groupG.rankR.json``, its final
 weights and optimizer state to ``OUT/stageS/groupG.pt``.
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-group", type=int, default=None)
     parser.add_argument("--kill-at-step", type=int, default=8)
     parser.add_argument(
+        "--rejoin-by-step", type=int, default=None, help="live groups wait there for the killed one's restart"
+    )
+    parser.add_argument("--fail-group", type=int, default=None, help="a group whose collective fails once")
+    parser.add_argument("--fail-at-step", type=int, default=12)
+    parser.add_argument(
         "--min-replicas", type=int, default=1, help="groups each step needs (2: no step alone)"
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a demo)")
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
     train += ["--step-time", str(args.step_time)]
+    if args.rejoin_by_step is not None:
+        train += ["--rejoin-by-step", str(args.rejoin_by_step)]
     if args.plain:
         env = {"NUM_REPLICA_GROUPS": str(args.groups)}
         return torchrun(args.groups * args.ranks, *train, "--plain", env=env).wait()
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = {}
         for g in range(args.groups):
             kill = ["--die-at-step", str(args.kill_at_step)] if g == args.kill_group else []
+            kill += ["--fail-at-step", str(args.fail_at_step)] if g == args.fail_group else []
             groups[g] = torchrun(args.ranks, *train, *kill, env={**env, "REPLICA_GROUP_ID": str(g)})
         restarted = False
         while any(p.poll() is None for p in groups.values()):

@@ -31,18 +31,50 @@ class Record(L.Callback):
     Every group waits for the others' first step (``ready`` files) so that they start together, and
     ``step_time`` slows each step (a demo on one machine: a restarted group needs seconds to start)."""
 
-    def __init__(self, die_at: int | None, out: Path, name: str, groups: int, step_time: float) -> None:
+    def __init__(
+        self, die_at: int | None, fail_at: int | None, out: Path, name: str, groups: int, step_time: float
+    ) -> None:
         self.losses: list[float] = []
+        self.changed: list[bool] = []  # whether each step changed this rank's weights
+        self.times: list[float] = []  # when each step ended
         self.die_at, self.marker, self.step_time = die_at, out / f"{name}.died", step_time
+        self.fail_at = fail_at
+        self.out, self.rejoin_at = (
+            out,
+            None,
+        )  # set by main(): the step at which live groups wait for a restart
         self.ready, self.all_ready = out / f"{name}.ready", [out / f"group{g}.ready" for g in range(groups)]
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+        if self.marker.exists():  # restarted after a failure
+            self.marker.with_suffix(".restarted").touch()
         self.ready.touch()
         deadline = time.monotonic() + 120
         while not all(path.exists() for path in self.all_ready) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    @staticmethod
+    def _checksum(module: Any) -> float:
+        with torch.no_grad():
+            return sum(float(getattr(p, "_local_tensor", p).double().sum()) for p in module.parameters())
+
+    def on_before_backward(self, trainer: L.Trainer, module: Any, loss: Any) -> None:
+        if self.fail_at is not None and trainer.global_step == self.fail_at:
+            # The cross-group collective breaks: this group's end of it is aborted before the backward's
+            # all-reduce, so that all-reduce fails here and on every other group taking part.
+            trainer.strategy.replica_group.pg.abort()
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+        if (
+            trainer.global_step == self.rejoin_at
+        ):  # a demo on one busy machine: wait until a lost group is back
+            deadline = time.monotonic() + 120
+            died = list(self.out.glob("*.died"))
+            while died and not all(d.with_suffix(".restarted").exists() for d in died):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        self.before = self._checksum(module)
         if self.die_at is not None and trainer.global_step == self.die_at and not self.marker.exists():
             trainer.strategy.barrier()
             if trainer.global_rank == 0:
@@ -51,6 +83,8 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.changed.append(self._checksum(module) != self.before)
+        self.times.append(time.time())
         time.sleep(self.step_time)
 
 
@@ -63,7 +97,9 @@ def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
     model = GPTModule(vocab_size=256, seq_len=32, d_model=32, n_layers=2, n_heads=2, max_steps=args.max_steps)
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     flags: dict[str, Any] = {"replicate_size": groups} if args.plain else {"fault_tolerance": {"timeout": 20}}
-    record = Record(args.die_at_step, out, name, 0 if args.plain else groups, args.step_time)
+    groups_waited = 0 if args.plain else groups
+    record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
+    record.rejoin_at = args.rejoin_by_step
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -86,6 +122,8 @@ def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
     result = {
         "losses": record.losses,
         "global_step": trainer.global_step,
+        "changed": record.changed,
+        "times": record.times,
         "participants": replicas.participants if replicas else None,
         "discarded": replicas.discarded if replicas else None,
         "heals": replicas.heals if replicas else None,
@@ -103,6 +141,10 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--out", type=Path, required=True, help="a directory for each stage's results")
     parser.add_argument("--die-at-step", type=int, default=None, help="this group's ranks exit at that step")
+    parser.add_argument("--fail-at-step", type=int, default=None, help="a failed collective at that step")
+    parser.add_argument(
+        "--rejoin-by-step", type=int, default=None, help="wait there for a lost group's restart"
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
     args = parser.parse_args()
