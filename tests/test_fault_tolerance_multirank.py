@@ -4,7 +4,9 @@ AdamW and a cosine schedule.
 
 - Without failure the groups give the losses and weights of one 4-rank job with ``replicate_size=2`` (HSDP), at
   stages 2 and 3: the cross-group average is HSDP's replicate all-reduce, and each rank of each group reads the
-  batch slice that rank of the HSDP job reads (a sampler ignoring the groups reads other data).
+  batch slice that rank of the HSDP job reads (a sampler ignoring the groups reads other data). Their
+  checkpoint (written by group 0 alone) resumes in the plain job at an epoch's end: the next steps' losses and
+  the final weights are the groups'.
 - Every rank of one group killed mid-run, and only that group restarted: the other group's processes run every
   step to ``max_steps`` (its record holds all of them: it never restarted, and no checkpoint exists), some
   steps with it alone; the restarted group heals from it (model, AdamW state, loops, scheduler) and both end
@@ -46,10 +48,10 @@ def _records(folder: Path, name: str) -> tuple[list[dict[str, Any]], dict[str, A
     return ranks, torch.load(folder / f"{name}.pt", weights_only=True)
 
 
-def _plain(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _plain(folder: Path, name: str = "plain") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The 4-rank HSDP job's records (rank ``g * 2 + r`` reads what rank ``r`` of group ``g`` reads)."""
-    ranks = [json.loads((folder / f"plain.rank{r}.json").read_text()) for r in range(2 * RANKS)]
-    return ranks, torch.load(folder / "plain.pt", weights_only=True)
+    ranks = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(2 * RANKS)]
+    return ranks, torch.load(folder / f"{name}.pt", weights_only=True)
 
 
 def _flat(state: dict[Any, Any], prefix: str = "") -> dict[str, Any]:
@@ -63,9 +65,10 @@ def _flat(state: dict[Any, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_path):
-    steps = ["--max-steps", "4", "--stage", "2,3"]
-    _launch(tmp_path / "ft", *steps, "--min-replicas", "2")
-    _launch(tmp_path / "hsdp", *steps, "--plain")
+    steps = ["--max-steps", "4", "--stage", "2,3", "--epoch-steps", "2"]
+    _launch(tmp_path / "ft", *steps, "--min-replicas", "2", "--ckpt-every", "2")
+    # The same job as one HSDP run; then again from the fault-tolerant run's checkpoint at step 2.
+    _launch(tmp_path / "hsdp", *steps, "--plain", "--resume", str(tmp_path / "ft"), "--resume-step", "2")
     for stage in (2, 3):
         plain_ranks, plain = _plain(tmp_path / "hsdp" / f"stage{stage}")
         for group in range(2):
@@ -77,6 +80,17 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_pat
                 torch.testing.assert_close(record["losses"], reference, rtol=1e-5, atol=0, msg=where)
             for key, weight in plain["weights"].items():
                 torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
+            assert all(r["writes_checkpoints"] == (group == 0) for r in ranks)  # the lowest live group only
+        # The checkpoint the groups wrote at step 2 resumes in a plain run: steps 3-4 as the groups took them.
+        resumed_ranks, resumed = _plain(tmp_path / "hsdp" / f"stage{stage}", "resumed")
+        for rank, record in enumerate(resumed_ranks):
+            group_record = _records(tmp_path / "ft" / f"stage{stage}", f"group{rank // RANKS}")[0][
+                rank % RANKS
+            ]
+            assert len(record["losses"]) == 2, record
+            torch.testing.assert_close(record["losses"], group_record["losses"][2:], rtol=1e-5, atol=0)
+        for key, weight in plain["weights"].items():
+            torch.testing.assert_close(resumed["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
 
 
 def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(tmp_path):

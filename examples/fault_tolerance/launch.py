@@ -50,18 +50,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a demo)")
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--epoch-steps", type=int, default=None, help="steps per epoch")
+    parser.add_argument(
+        "--ckpt-every", type=int, default=0, help="a checkpoint every N steps (OUT/stageS/ckpt)"
+    )
+    parser.add_argument(
+        "--resume", type=Path, help="(--plain) also fit from that run's checkpoint at --resume-step"
+    )
+    parser.add_argument("--resume-step", type=int, default=2)
     args = parser.parse_args(argv)
     train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
     train += ["--step-time", str(args.step_time)]
     if args.rejoin_by_step is not None:
         train += ["--rejoin-by-step", str(args.rejoin_by_step)]
+    if args.epoch_steps is not None:
+        train += ["--epoch-steps", str(args.epoch_steps)]
+    train += ["--ckpt-every", str(args.ckpt_every)]
+    if args.resume is not None:
+        train += ["--resume", str(args.resume), "--resume-step", str(args.resume_step)]
     if args.plain:
         env = {"NUM_REPLICA_GROUPS": str(args.groups)}
         return torchrun(args.groups * args.ranks, *train, "--plain", env=env).wait()
 
     port = free_port()
-    # A quorum waits up to 5 s for groups that heartbeat but have not asked yet (a restarted one, setting up).
-    lighthouse = serve_lighthouse(min_replicas=args.min_replicas, port=port, join_timeout_ms=5000)
+    # A quorum waits up to 2 s for groups that heartbeat but have not asked yet (a restarted one, setting up);
+    # a group silent for 2 s is gone.
+    lighthouse = serve_lighthouse(args.min_replicas, port, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     env = {
         "NUM_REPLICA_GROUPS": str(args.groups),
         "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -88,10 +89,10 @@ class Record(L.Callback):
         time.sleep(self.step_time)
 
 
-def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
-    """One fit at ``stage``; this rank's record in ``out``."""
+def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = None) -> None:
+    """One fit at ``stage`` (from ``resume``, a checkpoint, if given); this rank's record in ``out``."""
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
-    name = "plain" if args.plain else f"group{os.environ['REPLICA_GROUP_ID']}"
+    name = "resumed" if resume else "plain" if args.plain else f"group{os.environ['REPLICA_GROUP_ID']}"
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     model = GPTModule(vocab_size=256, seq_len=32, d_model=32, n_layers=2, n_heads=2, max_steps=args.max_steps)
@@ -100,19 +101,24 @@ def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
     groups_waited = 0 if args.plain else groups
     record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
     record.rejoin_at = args.rejoin_by_step
+    callbacks: list[L.Callback] = [record]
+    if args.ckpt_every:  # with fault tolerance, written by the lowest live group only
+        every = args.ckpt_every
+        callbacks.append(ModelCheckpoint(out / "ckpt", "{step}", every_n_train_steps=every, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=ShardStrategy(stage=stage, **flags),
         max_steps=args.max_steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.ckpt_every),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[record],
+        limit_train_batches=args.epoch_steps,
+        callbacks=callbacks,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=resume)
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(trainer.strategy.model, options=full)
@@ -127,6 +133,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path) -> None:
         "participants": replicas.participants if replicas else None,
         "discarded": replicas.discarded if replicas else None,
         "heals": replicas.heals if replicas else None,
+        "writes_checkpoints": replicas.writes_checkpoints() if replicas else True,
     }
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
@@ -147,9 +154,16 @@ def main() -> None:
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
+    parser.add_argument("--epoch-steps", type=int, default=None, help="steps per epoch (limit_train_batches)")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="a ModelCheckpoint every N steps")
+    parser.add_argument("--resume", type=Path, help="also fit from OUT's stageS/ckpt/step=N.ckpt of that run")
+    parser.add_argument("--resume-step", type=int, default=2)
     args = parser.parse_args()
     for stage in map(int, args.stage.split(",")):
         fit(args, stage, args.out / f"stage{stage}")
+        if args.resume:
+            checkpoint = args.resume / f"stage{stage}" / "ckpt" / f"step={args.resume_step}.ckpt"
+            fit(args, stage, args.out / f"stage{stage}", resume=checkpoint)
 
 
 if __name__ == "__main__":

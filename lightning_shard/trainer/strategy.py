@@ -71,8 +71,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         flags, kwargs = bind("ShardStrategy", args, kwargs)
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
         self.config = ShardConfig.from_flags(ddp_kwargs=ddp_kwargs, **vars(flags))
-        # Resolved once: the precision setter, the set-up and Lightning's per-batch accumulation check ask it.
-        self._engine_class = engine_class(self.config.engine)
+        self._engine_class = engine_class(self.config.engine)  # asked by precision, set-up, accumulation
         super().__init__(**kwargs)
         self._session: Session | None = None
         self._engine_live = False  # the session's engine serves the current Trainer call
@@ -411,9 +410,11 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             raise TypeError(
                 "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
             )
-        if self.refuse_write_after_failure(filepath) or not fault_tolerance.writes(self._replicas):
+        if self.refuse_write_after_failure(filepath):
             return
         exception = interrupted(self.lightning_module)
+        if not (exception or fault_tolerance.writes(self._replicas)):  # a group leaving writes its own
+            return
         self._save_checkpoint(checkpoint, filepath, exception=exception)
         if exception:
             self.engine.wait_for_checkpoints()
