@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -77,12 +78,12 @@ def test_missing_keys_come_from_the_environment(monkeypatch):
     assert kwargs == {"num_replicas": 6, "rank": 3}
 
 
-def _fit_without_lighthouse(port: int) -> str:
+def _fit_alone(port: int, **flags: Any) -> str:
     import lightning as L
 
     from lightning_shard.demos.gpt import GPTModule, TextDataModule
 
-    flags = {"replica_id": 0, "replica_groups": 2, "lighthouse": f"http://localhost:{port}"}
+    flags = {"replica_id": 0, "replica_groups": 2, "lighthouse": f"http://localhost:{port}", **flags}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -93,17 +94,32 @@ def _fit_without_lighthouse(port: int) -> str:
     )
     try:
         trainer.fit(GPTModule(d_model=16, n_layers=1, n_heads=2, seq_len=16), TextDataModule(16, 2, 50))
-    except ConnectionError as err:
+    except (ConnectionError, RuntimeError) as err:
         return str(err)
     return "no error"
 
 
-def test_an_unreachable_lighthouse_is_a_clear_error_naming_its_address():
+def _without_lighthouse_then_alone(port: int) -> list[str]:
+    from lightning_shard.fault_tolerance import serve_lighthouse
+
+    unreachable = _fit_alone(port)
+    lighthouse = serve_lighthouse(min_replicas=2, port=port)
+    try:
+        return [unreachable, _fit_alone(port, min_replicas=2, timeout=2)]
+    finally:
+        lighthouse.shutdown()
+
+
+def test_an_unreachable_lighthouse_and_too_few_groups_are_clear_errors():
     port = free_port()
-    (message,) = run_ranks(_fit_without_lighthouse, port, world_size=1)
+    ((unreachable, alone),) = run_ranks(_without_lighthouse_then_alone, port, world_size=1)
     assert re.search(
-        rf"no Lighthouse answers at http://localhost:{port}.*lightning-shard lighthouse", message
+        rf"no Lighthouse answers at http://localhost:{port}.*lightning-shard lighthouse", unreachable
     )
+    # One group of two, min_replicas=2: it waits for the quorum timeout=2 s, then says so.
+    assert re.search(
+        r"replica group 0 found no quorum of min_replicas=2 groups.*within timeout=2 s", alone
+    ), alone
 
 
 def test_the_lighthouse_command_serves_until_sigterm():

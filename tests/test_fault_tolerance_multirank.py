@@ -31,6 +31,7 @@ pytest.importorskip("torchft")
 
 LAUNCH = Path(__file__).parents[1] / "examples" / "fault_tolerance" / "launch.py"
 RANKS = 2
+STEPS, FAIL = 24, 20  # the failure run's steps, and the step whose cross-group collective breaks
 
 
 def _launch(out: Path, *args: str) -> None:
@@ -64,13 +65,25 @@ def _flat(state: dict[Any, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ft``: 2 groups without failure, a checkpoint at step 2; ``plain``: the same as one HSDP job, then again
+    from that checkpoint; ``failure``: group 1 killed at step 3 and restarted, a collective broken at step 20."""
+    root = tmp_path_factory.mktemp("fault_tolerance")
     steps = ["--max-steps", "4", "--stage", "2,3", "--epoch-steps", "2"]
-    _launch(tmp_path / "ft", *steps, "--min-replicas", "2", "--ckpt-every", "2")
-    # The same job as one HSDP run; then again from the fault-tolerant run's checkpoint at step 2.
-    _launch(tmp_path / "hsdp", *steps, "--plain", "--resume", str(tmp_path / "ft"), "--resume-step", "2")
+    _launch(root / "ft", *steps, "--min-replicas", "2", "--ckpt-every", "2")
+    _launch(root / "plain", *steps, "--plain", "--resume", str(root / "ft"), "--resume-step", "2")
+    kill = ["--kill-group", "1", "--kill-at-step", "3", "--rejoin-by-step", "12", "--step-time", "0.2"]
+    _launch(
+        root / "failure", "--max-steps", str(STEPS), *kill, "--fail-group", "0", "--fail-at-step", str(FAIL)
+    )
+    return root
+
+
+def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(runs):
+    tmp_path = runs
     for stage in (2, 3):
-        plain_ranks, plain = _plain(tmp_path / "hsdp" / f"stage{stage}")
+        plain_ranks, plain = _plain(tmp_path / "plain" / f"stage{stage}")
         for group in range(2):
             ranks, saved = _records(tmp_path / "ft" / f"stage{stage}", f"group{group}")
             for rank, record in enumerate(ranks):
@@ -82,7 +95,7 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_pat
                 torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
             assert all(r["writes_checkpoints"] == (group == 0) for r in ranks)  # the lowest live group only
         # The checkpoint the groups wrote at step 2 resumes in a plain run: steps 3-4 as the groups took them.
-        resumed_ranks, resumed = _plain(tmp_path / "hsdp" / f"stage{stage}", "resumed")
+        resumed_ranks, resumed = _plain(tmp_path / "plain" / f"stage{stage}", "resumed")
         for rank, record in enumerate(resumed_ranks):
             group_record = _records(tmp_path / "ft" / f"stage{stage}", f"group{rank // RANKS}")[0][
                 rank % RANKS
@@ -93,12 +106,10 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(tmp_pat
             torch.testing.assert_close(resumed["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
 
 
-def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(tmp_path):
-    steps, fail = 24, 20
-    kill = ["--kill-group", "1", "--kill-at-step", "3", "--rejoin-by-step", "12", "--step-time", "0.2"]
-    _launch(tmp_path, "--max-steps", str(steps), *kill, "--fail-group", "0", "--fail-at-step", str(fail))
-    survivor, survivor_state = _records(tmp_path / "stage3", "group0")
-    healed, healed_state = _records(tmp_path / "stage3", "group1")
+def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(runs):
+    steps, fail = STEPS, FAIL
+    survivor, survivor_state = _records(runs / "failure" / "stage3", "group0")
+    healed, healed_state = _records(runs / "failure" / "stage3", "group1")
     for record in survivor:
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
         assert 1 in record["participants"] and record["participants"][12:] == [2] * 12, record["participants"]
@@ -115,3 +126,19 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
     assert mine.keys() == theirs.keys() and any(k.endswith("exp_avg_sq") for k in mine)
     for key, value in mine.items():
         assert torch.equal(theirs[key], value) if torch.is_tensor(value) else theirs[key] == value, key
+
+
+def test_bench_fault_tolerance_reports_these_runs(runs, tmp_path):
+    """``benchmarks/bench_fault_tolerance.py --from`` on the runs above (its full run: docs/benchmarks.md)."""
+    from tests.helpers import run_benchmark
+
+    out = tmp_path / "report.json"
+    run = run_benchmark("bench_fault_tolerance.py", "--from", str(runs), "--kill-at", "3", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["median_step_seconds"]["ratio"] > 0
+    failure = report["failure"]
+    assert failure["death_to_rejoin_seconds"] > failure["heal_seconds"] > 0
+    assert (
+        failure["steps_with_one_group"] == 12 - 3 and failure["live_group_steps_lost"] == 1
+    )  # the broken step

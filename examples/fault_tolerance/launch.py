@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a demo)")
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--epoch-steps", type=int, default=None, help="steps per epoch")
+    parser.add_argument("--d-model", type=int, default=32, help="the demo GPT's width")
     parser.add_argument(
         "--ckpt-every", type=int, default=0, help="a checkpoint every N steps (OUT/stageS/ckpt)"
     )
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-step", type=int, default=2)
     args = parser.parse_args(argv)
     train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
-    train += ["--step-time", str(args.step_time)]
+    train += ["--step-time", str(args.step_time), "--d-model", str(args.d_model)]
     if args.rejoin_by_step is not None:
         train += ["--rejoin-by-step", str(args.rejoin_by_step)]
     if args.epoch_steps is not None:

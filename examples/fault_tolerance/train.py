@@ -95,7 +95,10 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
     name = "resumed" if resume else "plain" if args.plain else f"group{os.environ['REPLICA_GROUP_ID']}"
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    model = GPTModule(vocab_size=256, seq_len=32, d_model=32, n_layers=2, n_heads=2, max_steps=args.max_steps)
+    width = args.d_model
+    model = GPTModule(
+        vocab_size=256, seq_len=32, d_model=width, n_layers=2, n_heads=2, max_steps=args.max_steps
+    )
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     flags: dict[str, Any] = {"replicate_size": groups} if args.plain else {"fault_tolerance": {"timeout": 20}}
     groups_waited = 0 if args.plain else groups
@@ -154,6 +157,7 @@ def main() -> None:
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
+    parser.add_argument("--d-model", type=int, default=32, help="the demo GPT's width")
     parser.add_argument("--epoch-steps", type=int, default=None, help="steps per epoch (limit_train_batches)")
     parser.add_argument("--ckpt-every", type=int, default=0, help="a ModelCheckpoint every N steps")
     parser.add_argument("--resume", type=Path, help="also fit from OUT's stageS/ckpt/step=N.ckpt of that run")

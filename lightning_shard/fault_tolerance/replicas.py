@@ -127,7 +127,17 @@ class ReplicaGroups:
         """Join a quorum (healing first if this group is behind); the next step uses it."""
         started = time.monotonic()
         self.healed = None
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except (
+            Exception
+        ) as err:  # torchft: "Timeout expired" from the Lighthouse, or the manager's own errors
+            ft = self.ft
+            raise RuntimeError(
+                f"ShardStrategy(fault_tolerance=...): replica group {ft.replica_id} found no quorum of"
+                f" min_replicas={ft.min_replicas} groups at {ft.lighthouse} within timeout={ft.timeout:g} s"
+                f" ({type(err).__name__}: {err}). Start the other groups, lower min_replicas, or raise timeout."
+            ) from err
         self._quorum_ready = True
         if self.healed is not None:
             self.heals.append(time.monotonic() - started)
