@@ -147,7 +147,9 @@ class ShardConfig(ShardFlags):
             fp8=fp8,
             gradient_compression=compression,
             matrix_optimizer=_check_matrix_optimizer(flags.matrix_optimizer),
-            fault_tolerance=_check_fault_tolerance(flags, stage, engine_name),
+            fault_tolerance=_check_fault_tolerance(
+                flags, stage, engine_name, (ddp_kwargs or {}).get("ddp_comm_hook") is not None
+            ),
         )
         return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
 
@@ -284,7 +286,9 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
         )
 
 
-def _check_fault_tolerance(flags: ShardFlags, stage: Any, engine: str) -> FaultTolerance | None:
+def _check_fault_tolerance(
+    flags: ShardFlags, stage: Any, engine: str, ddp_hook: bool
+) -> FaultTolerance | None:
     ft = FaultTolerance.from_flag(flags.fault_tolerance)
     if ft is None:
         return None
@@ -294,11 +298,15 @@ def _check_fault_tolerance(flags: ShardFlags, stage: Any, engine: str) -> FaultT
             f"{given} engine='deepspeed') is not available: DeepSpeed has no elastic replicate dimension (its"
             " gradient reduction spans one fixed world). Use engine='fsdp'."
         )
-    if stage not in (2, 3):
+    if stage == "auto":
         raise ValueError(
-            f"{given} stage={stage!r}) is not available: the groups' gradients are averaged through FSDP2's"
-            " all-reduce hook, which stages 2-3 have. Use stage=2 or 3 (stage 2 keeps the parameters gathered"
-            " between forward and backward, as DDP-like memory allows)."
+            f"{given} stage='auto') is not available: every replica group must shard alike, and 'auto' plans"
+            " each from its own devices. Pick stage=0-3 (`lightning-shard plan` recommends one)."
+        )
+    if stage in (0, 1) and (flags.gradient_compression is not None or ddp_hook):
+        raise ValueError(
+            f"{given} stage={stage}) takes DDP's communication hook for the cross-group average, so a"
+            " gradient_compression or ddp_comm_hook of its own cannot be registered too. Drop one."
         )
     if flags.replicate_size != 1 or flags.pipeline_parallel_size != 1:
         raise ValueError(

@@ -40,7 +40,11 @@ GOOD = {"replica_id": 0, "replica_groups": 2, "lighthouse": "http://localhost:29
             dict(fault_tolerance=GOOD, engine="deepspeed"),
             r"engine='deepspeed'\) is not available.*engine='fsdp'",
         ),
-        (dict(fault_tolerance=GOOD, stage=1), r"stage=1\) is not available.*stage=2 or 3"),
+        (dict(fault_tolerance=GOOD, stage="auto"), r"stage='auto'\) is not available.*Pick stage=0-3"),
+        (
+            dict(fault_tolerance=GOOD, stage=1, gradient_compression="bf16"),
+            r"stage=1\) takes DDP's communication hook.*Drop one",
+        ),
         (
             dict(fault_tolerance=GOOD, replicate_size=2),
             r"replicate_size=2.*the replica groups are the replicate",
@@ -102,7 +106,7 @@ def _fit_alone(port: int, **flags: Any) -> str:
 def _without_lighthouse_then_alone(port: int) -> list[str]:
     from lightning_shard.fault_tolerance import serve_lighthouse
 
-    unreachable = _fit_alone(port)
+    unreachable = _fit_alone(port, timeout=1)
     lighthouse = serve_lighthouse(min_replicas=2, port=port)
     try:
         return [unreachable, _fit_alone(port, min_replicas=2, timeout=2)]

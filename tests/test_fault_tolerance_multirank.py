@@ -1,9 +1,11 @@
-"""Replica groups under ``ShardStrategy(fault_tolerance=...)``, launched as users launch them: a Lighthouse and
-one ``torchrun`` per group (``examples/fault_tolerance/launch.py``), 2 groups x 2 CPU ranks, the demo GPT with
-AdamW and a cosine schedule.
+"""Replica groups under ``ShardStrategy(fault_tolerance=...)``: 2 groups x 2 CPU ranks, a Lighthouse, the demo
+GPT of ``examples/fault_tolerance/train.py`` with AdamW and a cosine schedule. The failure run is launched as
+users launch it (``examples/fault_tolerance/launch.py``: one ``torchrun`` per group, the killed group restarted
+alone), beside the others; the runs without failure are 4 spawned processes, each given its group's world as a
+``torchrun`` per group would (its own port, ranks and ``REPLICA_GROUP_ID``).
 
-- Without failure the groups give the losses and weights of one 4-rank job with ``replicate_size=2`` (HSDP), at
-  stages 2 and 3: the cross-group average is HSDP's replicate all-reduce, and each rank of each group reads the
+- Without failure the groups give the losses and weights of one 4-rank job (``replicate_size=2``, HSDP, at stages
+  2-3; DDP over the 4 ranks at stages 0-1): the cross-group average is HSDP's replicate all-reduce, and each rank of each group reads the
   batch slice that rank of the HSDP job reads (a sampler ignoring the groups reads other data). Their
   checkpoint (written by group 0 alone) resumes in the plain job at an epoch's end: the next steps' losses and
   the final weights are the groups'.
@@ -29,19 +31,40 @@ import torch
 pytestmark = pytest.mark.multirank
 pytest.importorskip("torchft")
 
-LAUNCH = Path(__file__).parents[1] / "examples" / "fault_tolerance" / "launch.py"
+EXAMPLE = Path(__file__).parents[1] / "examples" / "fault_tolerance"
 RANKS = 2
-STEPS, FAIL = 24, 20  # the failure run's steps, and the step whose cross-group collective breaks
+STEPS, FAIL = 16, 12  # the failure run's steps, and the step whose cross-group collective breaks
+KILL, REJOIN = 2, 6  # group 1 dies at step 2; the live group waits for its restart at step 6
+STAGES = [0, 1, 2, 3]
 
 
-def _launch(out: Path, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, str(LAUNCH), "--groups", "2", "--ranks", str(RANKS), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+def _fit_as_group(root: str, lighthouse: str, ports: list[int], plain: bool, stages: list[int]) -> None:
+    """One of 4 processes: rank ``r`` of one 4-rank job (``plain``), or rank ``r % 2`` of group ``r // 2``."""
+    import argparse
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("fault_tolerance_train", EXAMPLE / "train.py")
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    os.environ["NUM_REPLICA_GROUPS"] = "2"
+    if not plain:
+        group, rank = divmod(int(os.environ["RANK"]), RANKS)
+        world = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": RANKS, "LOCAL_WORLD_SIZE": RANKS}
+        os.environ.update({k: str(v) for k, v in world.items()}, MASTER_PORT=str(ports[group]))
+        os.environ.update(
+            REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse, TORCHFT_MIN_REPLICAS="2"
+        )
+    args = argparse.Namespace(
+        max_steps=4, die_at_step=None, fail_at_step=None, rejoin_by_step=None, step_time=0.0, plain=plain,
+        d_model=32, epoch_steps=2, ckpt_every=0 if plain else 2,
+    )  # fmt: skip
+    for stage in stages:
+        train.fit(args, stage, Path(root) / ("plain" if plain else "ft") / f"stage{stage}")
+        if plain:  # again from the groups' checkpoint at step 2
+            checkpoint = Path(root) / "ft" / f"stage{stage}" / "ckpt" / "step=2.ckpt"
+            train.fit(args, stage, Path(root) / "plain" / f"stage{stage}", resume=checkpoint)
 
 
 def _records(folder: Path, name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -68,21 +91,37 @@ def _flat(state: dict[Any, Any], prefix: str = "") -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``ft``: 2 groups without failure, a checkpoint at step 2; ``plain``: the same as one HSDP job, then again
-    from that checkpoint; ``failure``: group 1 killed at step 3 and restarted, a collective broken at step 20."""
+    from that checkpoint; ``failure``: group 1 killed and restarted, a collective broken later."""
+    from lightning_shard.demos.ranks import free_port, run_ranks
+    from lightning_shard.fault_tolerance import serve_lighthouse
+
     root = tmp_path_factory.mktemp("fault_tolerance")
-    steps = ["--max-steps", "4", "--stage", "2,3", "--epoch-steps", "2"]
-    _launch(root / "ft", *steps, "--min-replicas", "2", "--ckpt-every", "2")
-    _launch(root / "plain", *steps, "--plain", "--resume", str(root / "ft"), "--resume-step", "2")
-    kill = ["--kill-group", "1", "--kill-at-step", "3", "--rejoin-by-step", "12", "--step-time", "0.2"]
-    _launch(
-        root / "failure", "--max-steps", str(STEPS), *kill, "--fail-group", "0", "--fail-at-step", str(FAIL)
-    )
+    kill = ["--kill-group", "1", "--kill-at-step", str(KILL), "--rejoin-by-step", str(REJOIN)]
+    failure = [*kill, "--fail-group", "0", "--fail-at-step", str(FAIL), "--step-time", "0.1"]
+    command = [sys.executable, str(EXAMPLE / "launch.py"), "--groups", "2", "--ranks", str(RANKS)]
+    command += ["--out", str(root / "failure"), "--max-steps", str(STEPS), *failure]
+    with open(root / "failure.log", "w") as log:  # mostly waiting (a restart, timeouts): beside the others
+        launched = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        port = free_port()
+        lighthouse = serve_lighthouse(2, port, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+        try:
+            ports = [free_port(), free_port()]
+            run_ranks(
+                _fit_as_group, str(root), f"http://localhost:{port}", ports, False, STAGES, world_size=4
+            )
+        finally:
+            lighthouse.shutdown()
+        run_ranks(_fit_as_group, str(root), "", [], True, STAGES, world_size=4)
+        assert launched.wait(timeout=400) == 0, (root / "failure.log").read_text()[-6000:]
     return root
 
 
-def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(runs):
+def test_two_groups_without_failure_equal_one_job_at_every_stage(runs):
     tmp_path = runs
-    for stage in (2, 3):
+    for stage in STAGES:
+        # Stages 0-1 average each bucket in the group, then over the groups: another summation order than DDP's
+        # one mean over the 4 ranks (HSDP's at stages 2-3 is the same order), so its last bits may differ.
+        atol = 1e-6 if stage < 2 else 0
         plain_ranks, plain = _plain(tmp_path / "plain" / f"stage{stage}")
         for group in range(2):
             ranks, saved = _records(tmp_path / "ft" / f"stage{stage}", f"group{group}")
@@ -92,7 +131,7 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(runs):
                 reference = plain_ranks[group * RANKS + rank]["losses"]
                 torch.testing.assert_close(record["losses"], reference, rtol=1e-5, atol=0, msg=where)
             for key, weight in plain["weights"].items():
-                torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
+                torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=atol, msg=key)
             assert all(r["writes_checkpoints"] == (group == 0) for r in ranks)  # the lowest live group only
         # The checkpoint the groups wrote at step 2 resumes in a plain run: steps 3-4 as the groups took them.
         resumed_ranks, resumed = _plain(tmp_path / "plain" / f"stage{stage}", "resumed")
@@ -103,7 +142,7 @@ def test_two_groups_without_failure_equal_one_hsdp_job_at_stages_2_and_3(runs):
             assert len(record["losses"]) == 2, record
             torch.testing.assert_close(record["losses"], group_record["losses"][2:], rtol=1e-5, atol=0)
         for key, weight in plain["weights"].items():
-            torch.testing.assert_close(resumed["weights"][key], weight, rtol=1e-5, atol=0, msg=key)
+            torch.testing.assert_close(resumed["weights"][key], weight, rtol=1e-5, atol=atol, msg=key)
 
 
 def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trains_on(runs):
@@ -112,10 +151,13 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
     healed, healed_state = _records(runs / "failure" / "stage3", "group1")
     for record in survivor:
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
-        assert 1 in record["participants"] and record["participants"][12:] == [2] * 12, record["participants"]
-        # The failed collective at step 20: that step discarded (the weights untouched), every other one taken.
+        alone = record["participants"][KILL:REJOIN]
+        assert alone == [1] * (REJOIN - KILL) and record["participants"][REJOIN:] == [2] * (steps - REJOIN), (
+            record
+        )
+        # The failed collective: that step discarded (the weights untouched), every other one taken.
         assert record["discarded"] == 1 and record["changed"] == [i != fail for i in range(steps)], record
-    for record in healed:  # it took part in step 20, so its step was discarded too
+    for record in healed:  # it took part in that step, so its step was discarded too
         assert record["discarded"] == 1 and record["changed"][fail - steps] is False, record
         assert record["global_step"] == steps and record["heals"], record  # healed, at the survivor's step
         assert len(record["losses"]) < steps  # it ran only the steps after its heal
@@ -133,12 +175,14 @@ def test_bench_fault_tolerance_reports_these_runs(runs, tmp_path):
     from tests.helpers import run_benchmark
 
     out = tmp_path / "report.json"
-    run = run_benchmark("bench_fault_tolerance.py", "--from", str(runs), "--kill-at", "3", "--out", str(out))
+    run = run_benchmark(
+        "bench_fault_tolerance.py", "--from", str(runs), "--kill-at", str(KILL), "--out", str(out)
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["median_step_seconds"]["ratio"] > 0
     failure = report["failure"]
     assert failure["death_to_rejoin_seconds"] > failure["heal_seconds"] > 0
     assert (
-        failure["steps_with_one_group"] == 12 - 3 and failure["live_group_steps_lost"] == 1
+        failure["steps_with_one_group"] == REJOIN - KILL and failure["live_group_steps_lost"] == 1
     )  # the broken step

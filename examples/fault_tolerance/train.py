@@ -100,7 +100,9 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
         vocab_size=256, seq_len=32, d_model=width, n_layers=2, n_heads=2, max_steps=args.max_steps
     )
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
-    flags: dict[str, Any] = {"replicate_size": groups} if args.plain else {"fault_tolerance": {"timeout": 20}}
+    # The plain job: HSDP at stages 2-3 (its replicate dimension is the groups), DDP over every rank at 0-1.
+    plain = {"replicate_size": groups} if stage >= 2 else {}
+    flags: dict[str, Any] = plain if args.plain else {"fault_tolerance": {"timeout": 20}}
     groups_waited = 0 if args.plain else groups
     record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
     record.rejoin_at = args.rejoin_by_step
@@ -125,7 +127,11 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(trainer.strategy.model, options=full)
-    optimizer = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
+    optimizer = (  # (ZeRO-1's state is gathered by a checkpoint save, not here)
+        get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
+        if stage != 1
+        else {"state": {}}
+    )
     replicas = trainer.strategy.replica_group  # what the replica group did (None: no fault tolerance)
     rank = trainer.global_rank
     result = {

@@ -107,9 +107,10 @@ class FaultTolerance:
 
 
 def check_reachable(ft: FaultTolerance, wait: float = 5.0) -> None:
-    """Raise naming the address unless the Lighthouse accepts a connection within ``wait`` seconds."""
+    """Raise naming the address unless the Lighthouse accepts a connection within ``wait`` seconds (at most the
+    flag's ``timeout``)."""
     address = urlparse(ft.lighthouse)
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + min(wait, ft.timeout)
     while True:
         try:
             with socket.create_connection((address.hostname, address.port), timeout=1.0):

@@ -99,26 +99,27 @@ class ReplicaGroups:
         self.participants: list[int] = []
         self.discarded = 0
         self.heals: list[float] = []
-        self.healed: dict[str, Any] | None = (
-            None  # the extra state of the last heal, until the caller takes it
-        )
+        #: The extra state of the last heal (None: the last quorum healed nothing).
+        self.healed: dict[str, Any] | None = None
 
     # --- set-up ------------------------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        """Average every FSDP2 gradient shard of ``model`` over the participating groups (at each fit)."""
+    def attach(self, model: nn.Module, optimizers: list[Optimizer], within: Callable[..., Any]) -> None:
+        """Average every gradient of ``model`` over the participating groups (at each fit): each FSDP2 shard
+        after its reduce-scatter (stages 2-3), each DDP bucket after ``within``, the group's own mean of it
+        (stages 0-1: ``within(process_group, bucket)`` returns a future of the bucket, DDP's default hook)."""
         from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
 
         self.model, self.optimizers = model, list(optimizers)
         self.participants, self.discarded, self.heals = [], 0, []  # this fit's record
-        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not modules:
-            raise ValueError(
-                "ShardStrategy(fault_tolerance=...) averages the gradients across replica groups through FSDP2's"
-                " all-reduce hook, and the model has no FSDP2 module: use stage=2 or 3 (engine='fsdp')."
-            )
-        for module in modules:
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
             module.set_all_reduce_hook(self._all_reduce)
+        for ddp in (m for m in model.modules() if isinstance(m, DistributedDataParallel)):
+            if not getattr(ddp, _KEY, False):  # DDP takes one hook for its lifetime (a later fit keeps it)
+                ddp.register_comm_hook(ddp.process_group, _AcrossGroups(self, within))
+                setattr(ddp, _KEY, True)
 
     def _all_reduce(self, output: torch.Tensor) -> None:
         self.manager.allreduce(output).wait()
@@ -129,9 +130,7 @@ class ReplicaGroups:
         self.healed = None
         try:
             self.manager.start_quorum()
-        except (
-            Exception
-        ) as err:  # torchft: "Timeout expired" from the Lighthouse, or the manager's own errors
+        except Exception as err:  # noqa: BLE001  (the Lighthouse's "Timeout expired", the manager's own)
             ft = self.ft
             raise RuntimeError(
                 f"ShardStrategy(fault_tolerance=...): replica group {ft.replica_id} found no quorum of"
@@ -183,7 +182,7 @@ class ReplicaGroups:
         assert self.model is not None
         return {
             "model": _local(self.model.state_dict()),
-            "optimizers": [_local(optimizer.state_dict()) for optimizer in self.optimizers],
+            "optimizers": [_local(_own(optimizer).state_dict()) for optimizer in self.optimizers],
             "extra": self.extra_state(),
         }
 
@@ -193,9 +192,33 @@ class ReplicaGroups:
             for name, value in self.model.state_dict().items():
                 _local(value).copy_(state["model"][name])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(_as_dtensors(optimizer, saved))
+            _own(optimizer).load_state_dict(_as_dtensors(_own(optimizer), saved))
         self.healed = state["extra"]
         self.load_extra(state["extra"])
+
+
+class _AcrossGroups:
+    """DDP's communication hook under fault tolerance: the group's mean of a bucket, then its mean over the
+    participating groups."""
+
+    def __init__(self, replicas: ReplicaGroups, within: Callable[..., Any]) -> None:
+        self.replicas, self.within = replicas, within
+        self.__name__ = self.__qualname__ = "fault_tolerant_allreduce_hook"  # DDP reads and logs the name
+
+    def __call__(self, group, bucket):  # type: ignore[no-untyped-def]  # (no annotations: DDP checks them)
+        def across(future: Any) -> torch.Tensor:
+            value = future.value()
+            tensor = value[0] if isinstance(value, list) else value
+            self.replicas.manager.allreduce(tensor).wait()
+            return tensor
+
+        return self.within(group, bucket).then(across)
+
+
+def _own(optimizer: Optimizer) -> Optimizer:
+    """The optimizer over this rank's own state: ZeRO-1's local one (its ``state_dict`` would gather them all)."""
+    inner: Optimizer = getattr(optimizer, "optim", optimizer)
+    return inner
 
 
 def _as_dtensors(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from lightning.pytorch.trainer import call
 
+from lightning_shard.engines._shm import allreduce_hook
+from lightning_shard.engines._whole_matrix import whole_matrix_step
 from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 
 
@@ -80,7 +82,14 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
         atexit.register(_LIVE[0].shutdown)
     replicas = _LIVE[0]
     replicas.extra_state, replicas.load_extra = (lambda: _trainer_state(trainer)), load_trainer_state
-    replicas.attach(strategy.model, strategy.optimizers)
+    for optimizer in strategy.optimizers:
+        if whole_matrix_step(optimizer) is not None:
+            raise ValueError(
+                f"ShardStrategy(fault_tolerance=..., stage={strategy.config.stage}) cannot yet heal"
+                f" {type(optimizer).__name__}, whose state each matrix's owner keeps whole (docs/optimizers.md)."
+                " Use stage=0 or 1 with it, or an elementwise optimizer."
+            )
+    replicas.attach(strategy.model, strategy.optimizers, within=allreduce_hook)
 
     def restore_then_join() -> None:
         restore()
