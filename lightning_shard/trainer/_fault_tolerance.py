@@ -72,8 +72,16 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
         connector._loaded_checkpoint = dict(state)
         connector.restore_callbacks()
         restore()
+        connector._loaded_checkpoint = {}
         _set_rng(state["rng"])
 
+    for optimizer in strategy.optimizers:
+        if whole_matrix_step(optimizer) is not None:
+            raise ValueError(
+                f"ShardStrategy(fault_tolerance=..., stage={strategy.config.stage}) cannot yet heal"
+                f" {type(optimizer).__name__}, whose state each matrix's owner keeps whole (docs/optimizers.md)."
+                " Use stage=0 or 1 with it, or an elementwise optimizer."
+            )
     ft = strategy.config.fault_tolerance
     if _LIVE and _LIVE[0].ft != ft:
         _LIVE.pop().shutdown()
@@ -82,13 +90,6 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
         atexit.register(_LIVE[0].shutdown)
     replicas = _LIVE[0]
     replicas.extra_state, replicas.load_extra = (lambda: _trainer_state(trainer)), load_trainer_state
-    for optimizer in strategy.optimizers:
-        if whole_matrix_step(optimizer) is not None:
-            raise ValueError(
-                f"ShardStrategy(fault_tolerance=..., stage={strategy.config.stage}) cannot yet heal"
-                f" {type(optimizer).__name__}, whose state each matrix's owner keeps whole (docs/optimizers.md)."
-                " Use stage=0 or 1 with it, or an elementwise optimizer."
-            )
     replicas.attach(strategy.model, strategy.optimizers, within=allreduce_hook)
 
     def restore_then_join() -> None:
