@@ -10,6 +10,7 @@ beyond the tolerance. The router's auxiliary loss is part of the loss, computed 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import lightning as L
@@ -278,7 +279,10 @@ def _demo_job(root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     path = f"{root}/init.pt"
     if torch.distributed.is_initialized() is False and os.environ["RANK"] == "0":
-        torch.save(GPTModule(**kwargs).state_dict(), path)
+        torch.save(GPTModule(**kwargs).state_dict(), f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # whole before another rank reads it: ShardStrategy opens it at once
+    while not os.path.exists(path):
+        time.sleep(0.05)
 
     monitor = ExpertLoadMonitor(every_n_steps=1, per_expert=True)
 
