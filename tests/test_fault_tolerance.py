@@ -143,7 +143,6 @@ def test_the_lighthouse_command_serves_until_sigterm():
         assert process.stdout is not None
         line = process.stdout.readline()
         assert re.match(rf"Lighthouse at http://\S+:{port} \(min_replicas=2\)", line), line
-        FaultTolerance(0, 2, f"http://localhost:{port}")  # and it answers:
         from lightning_shard.fault_tolerance import check_reachable
 
         check_reachable(FaultTolerance(0, 2, f"http://localhost:{port}"), wait=5)
