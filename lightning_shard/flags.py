@@ -258,8 +258,7 @@ class ShardFlags:
         " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
         " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
         " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine (docs/fault_tolerance.md).",
-        "config.py, core/process_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py",
-        trainer_only=True,
+        "config.py, core/replica_groups.py, trainer/_fault_tolerance.py, fabric/_fault_tolerance.py",
     )
 
 

@@ -56,13 +56,18 @@ def test_bad_fault_tolerance_flags_are_refused_naming_the_value_and_fix(flags, m
         ShardStrategy(**flags)
 
 
-def test_the_fabric_door_refuses_it_naming_the_trainer():
+def test_the_fabric_door_takes_it_with_the_same_checks_and_asks_for_a_set_up_model_first():
     from lightning_shard import ShardFabricStrategy
 
+    strategy = ShardFabricStrategy(stage=3, fault_tolerance=GOOD)
+    assert strategy.config.fault_tolerance == FaultTolerance.from_flag(GOOD)
+    assert strategy.replica_group is None  # no Manager before fabric.setup
     with pytest.raises(
-        ValueError, match=r"ShardFabricStrategy\(fault_tolerance=...\) is a Trainer-only flag"
+        RuntimeError, match=r"join_replica_groups needs .* after fabric.setup\(model, optimizer\)"
     ):
-        ShardFabricStrategy(fault_tolerance=GOOD)
+        strategy.join_replica_groups({"step": 0})
+    with pytest.raises(ValueError, match=r"engine='deepspeed'\) is not available.*engine='fsdp'"):
+        ShardFabricStrategy(fault_tolerance=GOOD, engine="deepspeed")
 
 
 def test_missing_keys_come_from_the_environment(monkeypatch):

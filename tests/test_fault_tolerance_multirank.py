@@ -192,3 +192,98 @@ def test_bench_fault_tolerance_reports_these_runs(runs, tmp_path):
     assert (
         failure["steps_with_one_group"] == REJOIN - KILL and failure["live_group_steps_lost"] == 1
     )  # the broken step
+
+
+#: Groups of one rank: group 1 preempted (SIGTERM) at step 3 of a Trainer run at stage 2; group 1 of a Fabric
+#: loop at stage 3 killed at step 2 and restarted alone, the live group waiting for it at step 6.
+TERM_AT, FABRIC_STEPS = 3, 10
+
+
+@pytest.fixture(scope="module")
+def groups_of_one(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("groups_of_one")
+    launch = [
+        sys.executable,
+        str(EXAMPLE / "launch.py"),
+        "--groups",
+        "2",
+        "--ranks",
+        "1",
+        "--step-time",
+        "0.1",
+    ]
+    runs = {
+        "sigterm": [*launch, "--stage", "2", "--max-steps", "10", "--term-group", "1"]
+        + ["--term-at-step", str(TERM_AT), "--out", str(root / "sigterm")],
+        "fabric": [*launch, "--fabric", "--stage", "3", "--max-steps", str(FABRIC_STEPS), "--kill-group", "1"]
+        + ["--kill-at-step", str(KILL), "--rejoin-by-step", str(REJOIN), "--out", str(root / "fabric")],
+        # The Fabric loop as one 2-rank HSDP job (replicate_size=2), its first steps both groups' reference.
+        "fabric_plain": [*launch, "--fabric", "--plain", "--stage", "3", "--max-steps", str(FABRIC_STEPS)]
+        + ["--out", str(root / "fabric")],
+    }
+    logs = {name: open(root / f"{name}.log", "w") for name in runs}
+    try:
+        started = {
+            name: subprocess.Popen(command, stdout=logs[name], stderr=subprocess.STDOUT)
+            for name, command in runs.items()
+        }
+        for name, process in started.items():
+            assert process.wait(timeout=400) == 0, (root / f"{name}.log").read_text()[-6000:]
+    finally:
+        for log in logs.values():
+            log.close()
+    return root
+
+
+def test_sigterm_to_one_group_ends_it_with_its_exception_checkpoint_while_the_other_trains_on(groups_of_one):
+    run = groups_of_one / "sigterm" / "stage2"
+    # The preempted group: every rank stopped by Lightning's SIGTERMException after the step it was told at,
+    # the process exiting 0, its exception checkpoint committed (written though group 0 is the lowest group).
+    stopped = json.loads((run / "group1.rank0.stopped.json").read_text())
+    assert stopped["exception"] == "SIGTERMException" and stopped["global_step"] >= TERM_AT + 1, stopped
+    assert (run / "group1.rank0.exit").read_text() == "0"
+    checkpoint = run / "exception" / "group1_on_exception.ckpt"
+    assert (checkpoint / ".metadata").is_file() and any(checkpoint.glob("*.distcp")), list(
+        checkpoint.iterdir()
+    )
+    assert not list(run.rglob("*.tmp"))
+    assert torch.load(checkpoint / "meta.pt", weights_only=True)["global_step"] == stopped["global_step"]
+    # The other group: one process, every step to max_steps, alone from the step after the preemption.
+    record = json.loads((run / "group0.rank0.json").read_text())
+    assert record["global_step"] == 10 and len(record["losses"]) == 10, record
+    alone = record["participants"][stopped["global_step"] :]
+    assert alone and set(alone) == {1} and record["participants"][: TERM_AT + 1] == [2] * (TERM_AT + 1), (
+        record
+    )
+    assert not (run / "group0.rank0.stopped.json").exists()
+
+
+def test_a_fabric_loop_heals_a_restarted_group_of_one_rank_from_the_live_one(groups_of_one):
+    run = groups_of_one / "fabric" / "fabric"
+    live = json.loads((run / "group0.rank0.json").read_text())
+    healed = json.loads((run / "group1.rank0.json").read_text())
+    # Before the kill both groups average over both (each reads its half of every batch): the 2-rank HSDP job's
+    # losses, rank by rank (a sampler ignoring the groups, or no cross-group average, differs).
+    died = json.loads((run / "group1.rank0.died.json").read_text())  # what group 1 ran before it was killed
+    for group, record in enumerate((live, died)):
+        plain = json.loads((run / f"plain.rank{group}.json").read_text())
+        torch.testing.assert_close(record["losses"][:KILL], plain["losses"][:KILL], rtol=1e-5, atol=0)
+    assert live["started_at"] == 0 and live["step"] == FABRIC_STEPS and len(live["losses"]) == FABRIC_STEPS
+    assert live["participants"][KILL:REJOIN] == [1] * (REJOIN - KILL), live
+    assert live["participants"][REJOIN:] == [2] * (FABRIC_STEPS - REJOIN), live
+    # The restarted group returned from join_replica_groups at the live group's step, with its schedule.
+    assert healed["started_at"] == REJOIN and healed["heals"] and healed["step"] == FABRIC_STEPS, healed
+    assert live["scheduler"] == healed["scheduler"] == FABRIC_STEPS
+    live_state = torch.load(run / "group0.pt", weights_only=True)
+    healed_state = torch.load(run / "group1.pt", weights_only=True)
+    for key, weight in live_state["weights"].items():
+        torch.testing.assert_close(healed_state["weights"][key], weight, rtol=0, atol=1e-6, msg=key)
+    # Both optimizers' state: AdamW's shards and Muon's momentum, kept whole by name on each matrix's owner.
+    mine, theirs = _flat(live_state["optimizer"]), _flat(healed_state["optimizer"])
+    assert mine.keys() == theirs.keys() and any(
+        k.startswith("adamw/") and k.endswith("exp_avg_sq") for k in mine
+    )
+    assert len([k for k in mine if k.startswith("muon/model.blocks.") and k.endswith("momentum_buffer")]) == 8
+    for key, value in mine.items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(theirs[key], value, rtol=0, atol=1e-6, msg=key)

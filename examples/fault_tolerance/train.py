@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,7 +40,9 @@ class Record(L.Callback):
         self.changed: list[bool] = []  # whether each step changed this rank's weights
         self.times: list[float] = []  # when each step ended
         self.die_at, self.marker, self.step_time = die_at, out / f"{name}.died", step_time
+        self.name = name
         self.fail_at = fail_at
+        self.term_at: int | None = None  # set by main(): SIGTERM to this group's launcher at that step
         self.out, self.rejoin_at = (
             out,
             None,
@@ -76,11 +79,23 @@ class Record(L.Callback):
                     break
                 time.sleep(0.1)
         self.before = self._checksum(module)
+        if trainer.global_step == self.term_at and trainer.global_rank == 0:
+            # Preempted: the group's torchrun is told to stop (as SLURM or Kubernetes tell it), and it passes
+            # SIGTERM on to each rank of the group; the other groups are not told anything.
+            os.kill(os.getppid(), signal.SIGTERM)
         if self.die_at is not None and trainer.global_step == self.die_at and not self.marker.exists():
             trainer.strategy.barrier()
             if trainer.global_rank == 0:
                 self.marker.touch()
             os._exit(1)  # every rank of this group dies here, mid-run
+
+    def on_exception(self, trainer: L.Trainer, module: Any, exception: BaseException) -> None:
+        record = {
+            "exception": type(exception).__name__,
+            "global_step": trainer.global_step,
+            "losses": self.losses,
+        }
+        (self.out / f"{self.name}.rank{trainer.global_rank}.stopped.json").write_text(json.dumps(record))
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -105,8 +120,8 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
     flags: dict[str, Any] = plain if args.plain else {"fault_tolerance": {"timeout": 20}}
     groups_waited = 0 if args.plain else groups
     record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
-    record.rejoin_at = args.rejoin_by_step
-    callbacks: list[L.Callback] = [record]
+    record.rejoin_at, record.term_at = args.rejoin_by_step, args.term_at_step
+    callbacks: list[L.Callback] = [record, OnExceptionCheckpoint(out / "exception", f"{name}_on_exception")]
     if args.ckpt_every:  # with fault tolerance, written by the lowest live group only
         every = args.ckpt_every
         callbacks.append(ModelCheckpoint(out / "ckpt", "{step}", every_n_train_steps=every, save_top_k=-1))
@@ -116,14 +131,18 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
         strategy=ShardStrategy(stage=stage, **flags),
         max_steps=args.max_steps,
         logger=False,
-        enable_checkpointing=bool(args.ckpt_every),
+        enable_checkpointing=True,  # (OnExceptionCheckpoint: a preempted group writes its own)
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_train_batches=args.epoch_steps,
         callbacks=callbacks,
     )
-    trainer.fit(model, datamodule=data, ckpt_path=resume)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=resume)
+    except SystemExit as stop:  # a preempted group: Lightning ends the fit with SystemExit once its hooks ran
+        (out / f"{name}.rank{trainer.global_rank}.exit").write_text(str(stop.code or 0))
+        raise
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(trainer.strategy.model, options=full)
@@ -158,6 +177,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="a directory for each stage's results")
     parser.add_argument("--die-at-step", type=int, default=None, help="this group's ranks exit at that step")
     parser.add_argument("--fail-at-step", type=int, default=None, help="a failed collective at that step")
+    parser.add_argument("--term-at-step", type=int, default=None, help="SIGTERM to this group at that step")
     parser.add_argument(
         "--rejoin-by-step", type=int, default=None, help="wait there for a lost group's restart"
     )

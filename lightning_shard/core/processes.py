@@ -78,9 +78,12 @@ def init_process_group(
     address, port = cluster_environment.main_address, int(cluster_environment.main_port)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
     if (address, port) not in _STORES:
-        store, _, _ = next(
-            dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout or default_pg_timeout)
-        )
+        # Joining waits for every rank to start (imports, a slow node) as long as torch's default allows;
+        # a short ``timeout`` flag bounds the collectives and the store's waits once all have joined.
+        joining = max(timeout or default_pg_timeout, default_pg_timeout)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=joining))
+        if timeout is not None:
+            store.set_timeout(timeout)
         _STORES[address, port] = store
     _generation += 1
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}

@@ -39,8 +39,8 @@ def split_state(
             f" fabric.setup(...) (modules in the state: {found}). Pass state={{'model': model, 'optimizer':"
             " optimizer, ...}} with that model, and save other models to checkpoints of their own."
         )
-    optimizers = [(key, obj) for key, obj in state.items() if _is_optimizer(obj)]
-    others = {key: obj for key, obj in state.items() if key != modules[0] and not _is_optimizer(obj)}
+    optimizers = [(key, obj) for key, obj in state.items() if is_optimizer(obj)]
+    others = {key: obj for key, obj in state.items() if key != modules[0] and not is_optimizer(obj)}
     clash = sorted(set(others) & set(_RESERVED))
     if clash:
         raise ValueError(
@@ -50,7 +50,7 @@ def split_state(
     return modules[0], optimizers, others
 
 
-def _is_optimizer(obj: Any) -> bool:
+def is_optimizer(obj: Any) -> bool:
     """A torch optimizer, or the one the DeepSpeed engine hands Fabric (DeepSpeed's ZeRO optimizers derive from
     its own base, not torch's), as Fabric's DeepSpeedStrategy counts them."""
     if isinstance(obj, Optimizer):

@@ -75,16 +75,19 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             "it is a Trainer optimizer-step hook. In a Fabric loop,"
             " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
         ),
-        (
-            "fault_tolerance=...",
-            config.fault_tolerance is not None,
-            "the quorum, the commit gate and the heal are built into the Trainer's loop. Train the replica"
-            " groups with lightning.Trainer(strategy=ShardStrategy(fault_tolerance=...))",
-        ),
     ]
     for flag, hit, why in refused:
         if hit:
             raise ValueError(f"ShardFabricStrategy({flag}) is a Trainer-only flag: {why}.")
+
+
+def refuse_clip_on_owned_step(config: ShardConfig, engine_class: Any, argument: str) -> None:
+    if engine_class.owns_step:
+        raise ValueError(
+            f"fabric.clip_gradients({argument}=...) cannot reach the gradients under"
+            f" ShardFabricStrategy(engine={config.engine!r}): DeepSpeed keeps them in its own partitions"
+            " and clips inside its step. Use engine='fsdp' to clip from the loop."
+        )
 
 
 class EngineNoSync(_BackwardSyncControl):

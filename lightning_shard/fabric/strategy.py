@@ -31,7 +31,7 @@ from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
 from lightning_shard.core.transform import LossFn
 from lightning_shard.engines import Engine, TrainSettings, engine_class
-from lightning_shard.fabric import _checkpoint
+from lightning_shard.fabric import _checkpoint, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
@@ -40,6 +40,7 @@ from lightning_shard.fabric._setup import (
     FabricLauncher,
     parameter_names,
     rebind,
+    refuse_clip_on_owned_step,
     refuse_trainer_only,
 )
 from lightning_shard.flags import args_doc, bind, takes_flags
@@ -87,6 +88,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         self._module: nn.Module | None = None  # the user's module, sharded in place or wrapped
         self._loss_fn: LossFn | None = None  # pipeline stages: the loss pipeline_step was given
         self._cut_weight, self._cut_by_loop = 1.0, False  # context parallelism: the loop's last cut batch
+        self._replicas: _fault_tolerance.FabricReplicas | None = None  # fault_tolerance, once set up
 
     @property
     def engine(self) -> Engine:
@@ -173,13 +175,15 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         # The optimizers were made before sharding: they hold the parameters as they were built.
         names = parameter_names(module)
         self.setup_module(module)
-        live = dict(module.named_parameters())
         for optimizer in optimizers:
             # With pipeline stages, parameters of the other ranks' stages were cut away: they leave it too.
-            rebind(optimizer, names, live, cut=self._running().pipeline is not None)
+            rebind(
+                optimizer, names, dict(module.named_parameters()), cut=self._running().pipeline is not None
+            )
         schedulers = [scheduler] if scheduler is not None else []
         optimizers = self._running().setup_optimizers(list(optimizers), schedulers, TrainSettings())
         self.apply_timeout()
+        self._replicas = _fault_tolerance.join(self, self._replicas, optimizers)
         return self._running().model, optimizers, scheduler
 
     @override
@@ -203,7 +207,16 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
                 " fabric.setup_module(model) from model.parameters(), or pass both to fabric.setup(model, optimizer)."
             )
         (optimizer,) = self._running().setup_optimizers([optimizer], [], TrainSettings())
+        self._replicas = _fault_tolerance.join(self, self._replicas, [optimizer])
         return optimizer
+
+    @property
+    def replica_group(self) -> Any:  # fault_tolerance: participants, discarded, heals (None without it)
+        return None if self._replicas is None else self._replicas.replicas
+
+    def join_replica_groups(self, state: dict[str, Any]) -> None:
+        """``fault_tolerance``: the first quorum, before the loop; a restarted group heals (docs/fault_tolerance.md)."""
+        _fault_tolerance.join_replica_groups(self._replicas, state)
 
     @override
     @guarded
@@ -296,6 +309,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         refuse_backward_under_pipeline(session)
         tensor = self._weigh_loss(tensor)  # context parallelism: the rank's share of the cut batch's targets
         tensor = self.precision.pre_backward(tensor, module)
+        _fault_tolerance.before_backward(self._replicas)  # the step's quorum, unless the forward joined it
         # Fabric steps the optimizer where the user says: an engine's own backward may precede a step.
         session.backward(
             tensor,
@@ -310,7 +324,8 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         if self.engine.owns_step:
             self._running().engine_step(optimizer)
             return None
-        return self.precision.optimizer_step(optimizer, **kwargs)
+        step = lambda: self.precision.optimizer_step(optimizer, **kwargs)  # noqa: E731
+        return _fault_tolerance.gated(self._replicas, step)
 
     @override
     @guarded
@@ -322,7 +337,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        self._refuse_clip_on_owned_step("max_norm")
+        refuse_clip_on_owned_step(self.config, self._engine_class, "max_norm")
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"ShardFabricStrategy clips by the global 2-norm over every shard (got norm_type={norm_type})."
@@ -340,16 +355,8 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     @override
     @guarded
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._refuse_clip_on_owned_step("clip_val")
+        refuse_clip_on_owned_step(self.config, self._engine_class, "clip_val")
         super().clip_gradients_value(module, optimizer, clip_val)
-
-    def _refuse_clip_on_owned_step(self, argument: str) -> None:
-        if self._engine_class.owns_step:
-            raise ValueError(
-                f"fabric.clip_gradients({argument}=...) cannot reach the gradients under"
-                f" ShardFabricStrategy(engine={self.config.engine!r}): DeepSpeed keeps them in its own partitions"
-                " and clips inside its step. Use engine='fsdp' to clip from the loop."
-            )
 
     def _running(self) -> Session:
         if self._session is None:
@@ -387,8 +394,8 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         session = self._running()
         location = resolve(self.broadcast(str(path)), "fabric.save(path)")
         _, optimizers, others = _checkpoint.split_state(state, session.model)
-        if self.refuse_write_after_failure(path):
-            return
+        if self.refuse_write_after_failure(path) or not _fault_tolerance.writes(self._replicas):
+            return  # (with fault tolerance, the lowest live group writes)
         checkpoint = _checkpoint.to_checkpoint(
             session.model_state(), [session.optimizer_state(optimizer) for _, optimizer in optimizers], others
         )

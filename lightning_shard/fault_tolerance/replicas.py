@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -60,6 +62,14 @@ def _safe_transport(timeout: timedelta) -> Any:
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
+class OwnState(Protocol):
+    """An optimizer whose state this rank keeps in a layout of its own: read and restored by the engine."""
+
+    def holds(self, optimizer: Optimizer) -> bool: ...
+    def state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+    def load(self, optimizer: Optimizer, state: dict[str, Any]) -> None: ...
+
+
 class ReplicaGroups:
     """This process's member of replica group ``ft.replica_id`` (rank ``group_rank`` of ``group_size``), for
     every fit of the process (its Manager lives until :meth:`shutdown`, as the process groups do)."""
@@ -76,6 +86,7 @@ class ReplicaGroups:
         self.load_extra: Callable[[dict[str, Any]], None] = lambda state: None
         self.model: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
+        self.own_state: OwnState | None = None
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=None,
@@ -95,6 +106,7 @@ class ReplicaGroups:
         )
         self.manager.register_state_dict_fn(_KEY, self._load, self._state)
         self._quorum_ready = False  # a quorum was joined and no step has used it yet
+        self._commits: bool | None = None  # the last quorum's commit decision, once asked
         #: Participants of each step so far, the steps discarded, and the seconds each heal took.
         self.participants: list[int] = []
         self.discarded = 0
@@ -104,14 +116,23 @@ class ReplicaGroups:
 
     # --- set-up ------------------------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module, optimizers: list[Optimizer], within: Callable[..., Any]) -> None:
+    def attach(
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        within: Callable[..., Any],
+        own_state: OwnState | None = None,
+    ) -> None:
         """Average every gradient of ``model`` over the participating groups (at each fit): each FSDP2 shard
         after its reduce-scatter (stages 2-3), each DDP bucket after ``within``, the group's own mean of it
-        (stages 0-1: ``within(process_group, bucket)`` returns a future of the bucket, DDP's default hook)."""
+        (stages 0-1: ``within(process_group, bucket)`` returns a future of the bucket, DDP's default hook).
+        ``own_state``: how an optimizer's state is read and put back where its ``state_dict`` is not this
+        rank's own (a whole-matrix step's, kept by name on each matrix's owner)."""
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
         self.model, self.optimizers = model, list(optimizers)
+        self.own_state = own_state
         self.participants, self.discarded, self.heals = [], 0, []  # this fit's record
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for module in sharded:
@@ -137,7 +158,7 @@ class ReplicaGroups:
                 f" min_replicas={ft.min_replicas} groups at {ft.lighthouse} within timeout={ft.timeout:g} s"
                 f" ({type(err).__name__}: {err}). Start the other groups, lower min_replicas, or raise timeout."
             ) from err
-        self._quorum_ready = True
+        self._quorum_ready, self._commits = True, None
         if self.healed is not None:
             self.heals.append(time.monotonic() - started)
             log.info(
@@ -146,26 +167,54 @@ class ReplicaGroups:
 
     # --- steps -------------------------------------------------------------------------------------------
 
+    def ensure_quorum(self) -> None:
+        """Join a quorum unless one is joined that no step has used yet."""
+        if not self._quorum_ready:
+            self.join()
+
+    def commits(self) -> bool:
+        """Whether the step of the last quorum commits on every participating group: asked once per quorum
+        (every optimizer of a step follows the one answer), the step's record kept. A discarded step's
+        gradients are dropped."""
+        if self._commits is None:
+            self._quorum_ready = False
+            self.participants.append(self.manager.num_participants())
+            self._commits = bool(self.manager.should_commit())
+            if not self._commits:
+                self.discarded += 1
+                log.warning(
+                    "Replica group %d: step discarded (a participant failed or too few groups); %d discarded"
+                    " so far.",
+                    self.ft.replica_id,
+                    self.discarded,
+                )
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+        return self._commits
+
     def step(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """One training step: the quorum, ``closure`` (forward, backward, the cross-group average), then
         ``optimizer_step`` only if the step commits on every participating group."""
-        if not self._quorum_ready:
-            self.join()
+        self.ensure_quorum()
         self._quorum_ready = False
         result = closure()
-        self.participants.append(self.manager.num_participants())
-        if self.manager.should_commit():
+        if self.commits():
             optimizer_step(lambda: result)
             return result
-        self.discarded += 1
-        log.warning(
-            "Replica group %d: step discarded (a participant failed or too few groups); %d discarded so far.",
-            self.ft.replica_id,
-            self.discarded,
-        )
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
         return None
+
+    def metrics(self) -> dict[str, float]:
+        """``ft/participants`` (of the last step), ``ft/discarded_steps`` and, after a heal, ``ft/heal_seconds``
+        (empty before the first step)."""
+        if not self.participants:
+            return {}
+        metrics = {
+            "ft/participants": float(self.participants[-1]),
+            "ft/discarded_steps": float(self.discarded),
+        }
+        if self.heals:
+            metrics["ft/heal_seconds"] = self.heals[-1]
+        return metrics
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the run's checkpoints: the lowest group of the last quorum only."""
@@ -182,9 +231,14 @@ class ReplicaGroups:
         assert self.model is not None
         return {
             "model": _local(self.model.state_dict()),
-            "optimizers": [_local(_own(optimizer).state_dict()) for optimizer in self.optimizers],
+            "optimizers": [self._optimizer_state(optimizer) for optimizer in self.optimizers],
             "extra": self.extra_state(),
         }
+
+    def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.own_state is not None and self.own_state.holds(optimizer):
+            return self.own_state.state(optimizer)
+        return _local(_own(optimizer).state_dict())
 
     def _load(self, state: dict[str, Any]) -> None:
         assert self.model is not None
@@ -192,7 +246,10 @@ class ReplicaGroups:
             for name, value in self.model.state_dict().items():
                 _local(value).copy_(state["model"][name])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            _own(optimizer).load_state_dict(_as_dtensors(_own(optimizer), saved))
+            if self.own_state is not None and self.own_state.holds(optimizer):
+                self.own_state.load(optimizer, saved)
+            else:
+                _own(optimizer).load_state_dict(_as_dtensors(_own(optimizer), saved))
         self.healed = state["extra"]
         self.load_extra(state["extra"])
 
@@ -213,6 +270,25 @@ class _AcrossGroups:
             return tensor
 
         return self.within(group, bucket).then(across)
+
+
+def rng_state() -> dict[str, Any]:
+    """The process's random generators (torch, Python, NumPy), in tensors and plain values only."""
+    numpy: Any = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [numpy[0], torch.from_numpy(numpy[1].astype(np.int64)), *numpy[2:]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` gave (a peer's)."""
+    torch.set_rng_state(state["torch"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy[0], numpy[1].numpy().astype(np.uint32), *numpy[2:]))
 
 
 def _own(optimizer: Optimizer) -> Optimizer:
