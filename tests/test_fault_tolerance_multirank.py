@@ -196,7 +196,7 @@ def test_bench_fault_tolerance_reports_these_runs(runs, tmp_path):
 
 #: Groups of one rank: group 1 preempted (SIGTERM) at step 3 of a Trainer run at stage 2; group 1 of a Fabric
 #: loop at stage 3 killed at step 2 and restarted alone, the live group waiting for it at step 6.
-TERM_AT, FABRIC_STEPS = 3, 10
+TERM_AT, FABRIC_STEPS, FABRIC_FAIL = 3, 10, 8
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,8 @@ def groups_of_one(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "sigterm": [*launch, "--stage", "2", "--max-steps", "10", "--term-group", "1"]
         + ["--term-at-step", str(TERM_AT), "--out", str(root / "sigterm")],
         "fabric": [*launch, "--fabric", "--stage", "3", "--max-steps", str(FABRIC_STEPS), "--kill-group", "1"]
-        + ["--kill-at-step", str(KILL), "--rejoin-by-step", str(REJOIN), "--out", str(root / "fabric")],
+        + ["--kill-at-step", str(KILL), "--rejoin-by-step", str(REJOIN), "--out", str(root / "fabric")]
+        + ["--fail-group", "0", "--fail-at-step", str(FABRIC_FAIL)],
         # The Fabric loop as one 2-rank HSDP job (replicate_size=2), its first steps both groups' reference.
         "fabric_plain": [*launch, "--fabric", "--plain", "--stage", "3", "--max-steps", str(FABRIC_STEPS)]
         + ["--out", str(root / "fabric")],
@@ -274,6 +275,11 @@ def test_a_fabric_loop_heals_a_restarted_group_of_one_rank_from_the_live_one(gro
     # The restarted group returned from join_replica_groups at the live group's step, with its schedule.
     assert healed["started_at"] == REJOIN and healed["heals"] and healed["step"] == FABRIC_STEPS, healed
     assert live["scheduler"] == healed["scheduler"] == FABRIC_STEPS
+    # Group 0's end of the cross-group collective broken at step 8: both optimizers' steps discarded on both
+    # groups (their weights untouched by it), every other step taken.
+    assert live["discarded"] == healed["discarded"] == 1, (live, healed)
+    assert live["changed"] == [i != FABRIC_FAIL for i in range(FABRIC_STEPS)], live
+    assert healed["changed"] == [i != FABRIC_FAIL for i in range(REJOIN, FABRIC_STEPS)], healed
     live_state = torch.load(run / "group0.pt", weights_only=True)
     healed_state = torch.load(run / "group1.pt", weights_only=True)
     for key, weight in live_state["weights"].items():

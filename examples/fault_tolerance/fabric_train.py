@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--die-at-step", type=int, default=None, help="this group's ranks exit at that step")
     parser.add_argument("--rejoin-by-step", type=int, default=None, help="wait there for a lost group")
+    parser.add_argument("--fail-at-step", type=int, default=None, help="a failed collective at that step")
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
     args, _ = parser.parse_known_args()  # (launch.py passes train.py's arguments too)
@@ -86,6 +87,12 @@ def main() -> None:
         fabric.strategy.join_replica_groups(state)  # a restarted group returns at the live groups' step
     started_at = state["step"]
     losses: list[float] = []
+    changed: list[bool] = []  # whether each step changed this rank's weights
+
+    def checksum() -> float:
+        with torch.no_grad():
+            return sum(float(getattr(p, "_local_tensor", p).double().sum()) for p in module.parameters())
+
     while state["step"] < args.max_steps:
         step = state["step"]
         if step == args.rejoin_by_step:  # a demo on one busy machine: wait until a lost group is back
@@ -97,7 +104,10 @@ def main() -> None:
                 died.touch()
             os._exit(1)  # every rank of this group dies here, mid-run
         x, y = batches[step % len(batches)]
+        before = checksum()
         loss = module.pipeline_loss(model(x), y)
+        if step == args.fail_at_step:  # this group's end of the cross-group collective breaks
+            fabric.strategy.replica_group.pg.abort()
         fabric.backward(loss)
         for optimizer in (muon, adamw):
             optimizer.step()  # taken only if the step commits on every group taking part
@@ -105,6 +115,7 @@ def main() -> None:
         scheduler.step()
         state["step"] += 1
         losses.append(float(loss))
+        changed.append(checksum() != before)
         time.sleep(args.step_time)
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -123,6 +134,8 @@ def main() -> None:
         "scheduler": scheduler.state_dict()["last_epoch"],
         "participants": replicas.participants if replicas else None,
         "heals": replicas.heals if replicas else None,
+        "discarded": replicas.discarded if replicas else None,
+        "changed": changed,
     }
     (out / f"{name}.rank{fabric.global_rank}.json").write_text(json.dumps(record))
     if fabric.global_rank == 0:
