@@ -18,7 +18,10 @@ FORMULA_TOLERANCE = 0.02
 @pytest.mark.multirank
 def test_bench_scaling_smoke(tmp_path):
     out = tmp_path / "scaling.json"
-    run = run_benchmark("bench_scaling.py", "--smoke", "--out", str(out), timeout=120)
+    # One sequence per rank (--smoke keeps the default 4): the model-state bytes checked below do not depend on
+    # it, and the activations still grow with the model.
+    args = ("--smoke", "--micro-batch", "1", "--out", str(out))
+    run = run_benchmark("bench_scaling.py", *args, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {"formula", "notes", "sizes", "points", "largest_params_for_budget"} <= set(report)

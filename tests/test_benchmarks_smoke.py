@@ -80,9 +80,10 @@ def test_bench_compile_smoke(tmp_path):
 
 @pytest.mark.multirank
 def test_bench_compression_smoke(tmp_path):
-    """Bytes are counted: fp16 halves them; PowerSGD sends a small fraction."""
+    """Bytes are counted: fp16 halves them; PowerSGD sends a small fraction. --steps 4, the fewest the script
+    takes: PowerSGD's 2 warm-up steps of plain all-reduce, its first compressed step left out, one step counted."""
     out = tmp_path / "compression.json"
-    run = run_benchmark("bench_compression.py", "--rounds", "1", "--steps", "5", "--out", str(out))
+    run = run_benchmark("bench_compression.py", "--rounds", "1", "--steps", "4", "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ratio = json.loads(out.read_text())["bytes_over_uncompressed"]
     assert ratio["none"] == 1.0 and ratio["fp16"] == pytest.approx(0.5, rel=1e-3)
@@ -141,7 +142,8 @@ def test_bench_collectives_smoke(tmp_path):
 @pytest.mark.multirank
 def test_bench_async_checkpoint_smoke(tmp_path):
     out = tmp_path / "async.json"
-    args = ("--depth", "1", "--steps", "4", "--every", "2", "--rounds", "1", "--out", str(out))
+    # One save per saving run, at step 2: the async one is written while step 3 trains.
+    args = ("--depth", "1", "--steps", "3", "--every", "2", "--rounds", "1", "--out", str(out))
     run = run_benchmark("bench_async_checkpoint.py", *args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -420,10 +420,13 @@ def test_bench_fp8_smoke(tmp_path):
     from tests.helpers import run_benchmark
 
     out = tmp_path / "fp8.json"
-    args = ("--layers", "1", "--d-model", "64", "--steps", "2", "--precisions", "32-true", "--out", str(out))
+    # d 48, the smallest width that keeps the embeddings under the Linears' share (at 32 they outweigh them and
+    # the float8 gather's ratio rises past 0.6); 2 steps: the second step's gathers use the scales precomputed
+    # after the first optimizer step. CPUs emulate the float8 matmuls slowly: their cost grows with d^2.
+    args = ("--layers", "1", "--d-model", "48", "--steps", "2", "--precisions", "32-true", "--out", str(out))
     run = run_benchmark("bench_fp8.py", *args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]["32-true"]
     assert summary["fp8_gather_losses_equal_high_precision_gather"]
-    assert 0.25 < summary["fp8_gather_bytes_over_high_precision"] < 0.6  # 1 x 64: the embeddings weigh
+    assert 0.25 < summary["fp8_gather_bytes_over_high_precision"] < 0.6  # 1 x 48: the embeddings weigh
     assert summary["fp8_max_relative_loss_change"] < BAND
