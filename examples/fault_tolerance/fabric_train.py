@@ -120,10 +120,10 @@ def main() -> None:
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(module, options=full)  # (the module FSDP2 sharded in place)
-    # Both optimizers' state by parameter name, each entry whole (Muon's from each matrix's owner).
+    # Both optimizers' state by parameter name, each entry whole (Muon's from each matrix's owner), on rank 0.
     engine = fabric.strategy.engine
     moments = {
-        name: engine.optimizer_state_dict(module, optimizer.optimizer, full=True)["state"]
+        name: engine.optimizer_state_dict(module, optimizer.optimizer, full=True).get("state", {})
         for name, optimizer in (("muon", muon), ("adamw", adamw))
     }
     replicas = fabric.strategy.replica_group
