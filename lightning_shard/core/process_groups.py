@@ -83,6 +83,7 @@ class ProcessGroups:
         self._num_nodes = 1
         self._groups_before: set[Any] | None = None  # groups alive before this strategy made its own
         self._timed_out = False  # a collective failed: the groups can no longer be trusted
+        self._apart = False  # the call ends on an exception raised on this rank alone
         self._live_key = -1
 
     # Read from the framework's ParallelStrategy.
@@ -305,10 +306,22 @@ class ProcessGroups:
             )
         return self._timed_out
 
+    #: Exceptions every rank raises at the same point; a call ending on any other skips :meth:`end_barrier`.
+    ends_together: tuple[type[BaseException], ...] = ()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The call is ending on ``exception`` (Lightning calls this before ``teardown``)."""
+        self._apart = not isinstance(exception, self.ends_together)
+
     def end_barrier(self) -> None:
-        """When a call returns on any rank, every rank has committed its checkpoints and removed its files
-        (skipped after a collective failed: the other ranks may be gone)."""
-        if self._timed_out or self._device_mesh is None:
+        """When a call returns on any rank, every rank has committed its checkpoints and removed its files.
+
+        Skipped after a collective failed (the other ranks may be gone) and when the call ends on an exception
+        raised on this rank alone: the others are in another collective, which a barrier here would match or
+        wait on until the timeout (``DDPStrategy`` has no barrier there either).
+        """
+        apart, self._apart = self._apart, False
+        if self._timed_out or self._device_mesh is None or apart:
             return
         try:
             self.barrier("teardown")

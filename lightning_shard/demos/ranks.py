@@ -87,12 +87,22 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, **kwargs:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned processes; return each rank's result."""
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _entry,
             args=(fn, world_size, port, out_dir, dict(os.environ), args, kwargs),
             nprocs=world_size,
+            join=False,
             start_method=_start_method(),
         )
+        try:
+            while not context.join():
+                pass
+        finally:
+            # Left waiting by an exception of the caller's own (a test's time limit, Ctrl+C): a rank still
+            # running would hold its memory and ports for the rest of the caller's process.
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
         results = []
         for rank in range(world_size):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:

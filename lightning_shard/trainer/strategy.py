@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -21,6 +21,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -64,6 +65,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     """
 
     strategy_name = "shard"
+    ends_together = (SIGTERMException,)  # raised on every rank after the same step (preemption)
     launcher_class = TrainerLauncher
 
     @takes_flags
@@ -194,9 +196,8 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """End of a Trainer call: the engine commits pending checkpoints and removes its files. The process
-        groups stay alive for collectives in user code and the next call, as under ``DDPStrategy``; they
-        are destroyed at exit (:mod:`lightning_shard.core.processes`)."""
+        """End of a Trainer call: the engine commits pending checkpoints and removes its files; the groups
+        live on until exit, as under ``DDPStrategy`` (:mod:`lightning_shard.core.processes`)."""
         try:
             if self._session is not None:
                 self._session.end_cut()  # the model runs whole sequences outside the Trainer's steps
@@ -376,10 +377,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._session is None:
-            yield
-            return
-        with self._session.no_sync():
+        with self._session.no_sync() if self._session is not None else nullcontext():
             yield
 
     # --- checkpoints: the session's engine writes and reads every kind --------------------------------
