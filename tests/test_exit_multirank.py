@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,17 +40,33 @@ def _alive(root: Path) -> list[str]:
     return [line for line in found.splitlines() if "pgrep" not in line]
 
 
-def _torchrun(
-    torchrun_args: list[str], root: Path, *args: str, workers: int = 2
-) -> subprocess.CompletedProcess:
+def _torchrun_start(torchrun_args: list[str], root: Path, *args: str, workers: int = 2) -> subprocess.Popen:
     """The job under torchrun's elastic agent, 2 workers, as a user starts it (no rank variables of ours)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), *torchrun_args]
     env = {
         key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
     }
-    return subprocess.run(
-        [*cmd, str(JOB), "--root", str(root), *args], capture_output=True, text=True, timeout=300, env=env
+    return subprocess.Popen(
+        [*cmd, str(JOB), "--root", str(root), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
+
+
+def _torchrun_finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        _kill_tree(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _torchrun(
+    torchrun_args: list[str], root: Path, *args: str, workers: int = 2
+) -> subprocess.CompletedProcess:
+    return _torchrun_finish(_torchrun_start(torchrun_args, root, *args, workers=workers))
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -57,24 +75,19 @@ def _process_tree(pid: int) -> list[int]:
     return [pid] + [grandchild for child in children for grandchild in _process_tree(int(child))]
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process under it, if it is still running (a test that failed midway)."""
+    for pid in _process_tree(proc.pid) if proc.poll() is None else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.returncode is None:
+        proc.wait()
+
+
 def _engine_args(engine: str) -> list[str]:
     return ["--engine", engine, "--stage", "3"] + (["--async-checkpoint"] if engine == "fsdp" else [])
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_between_calls(tmp_path, engine):
-    rc, out = _finish(_start(tmp_path, *_engine_args(engine), "--then-test", "--collectives"), timeout=300)
-    assert rc == 0, out[-3000:]
-    for rank in (0, 1):
-        for after in ("fit", "test"):
-            expected = f"rank {rank} after {after}: broadcast=path-from-rank-0 sum=3.0 gather=[0.0, 1.0]"
-            assert expected in out, out[-3000:]
-        assert f"rank {rank} finished fit at step 6" in out
-        assert f"rank {rank} process group alive after fit: True" in out
-        assert f"rank {rank} finished second fit at step 8" in out
-        assert f"rank {rank} finished test" in out
-    assert not list(tmp_path.rglob("*.tmp"))
-    assert not _alive(tmp_path)
 
 
 #: 4 steps per epoch, a checkpoint at each epoch's end: a resume from one is exact (Lightning resumes a plain
@@ -110,42 +123,116 @@ def _wait_for(path: Path, proc: subprocess.Popen, seconds: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_sigterm_mid_training_commits_an_exception_checkpoint_that_resumes_at_its_step(tmp_path, engine):
-    ckpts = tmp_path / "checkpoints"
-    proc = _start(tmp_path, *_engine_args(engine), "--max-steps", "100000")
-    _wait_for(ckpts / "epoch=0-step=4.ckpt", proc, seconds=240)
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)  # to the launching process, as SLURM / Kubernetes do
-    rc, out = _finish(proc, timeout=120)
-    elapsed = time.monotonic() - start
-    assert elapsed < 60, out[-3000:]
-    assert rc == 0, out[-3000:]  # Lightning ends a SIGTERM-stopped fit with SystemExit(None)
-    stopped = {int(s) for s in re.findall(r"stopped by SIGTERMException at step (\d+)", out)}
-    assert len(stopped) == 1, out[-3000:]  # every rank stopped at the same step
-    (step,) = stopped
-    assert (ckpts / "on_exception.ckpt").is_dir()
-    assert not (ckpts / "on_exception.ckpt").is_symlink()  # written, not linked to a prunable checkpoint
-    assert not list(tmp_path.rglob("*.tmp"))
-    assert not _alive(tmp_path)
-
-    rc, out = _finish(
-        _start(
-            tmp_path,
-            *_engine_args(engine),
-            "--max-steps",
-            str(step + 2),
-            "--every",
-            "0",
-            "--resume",
-            str(ckpts / "on_exception.ckpt"),
-        ),
-        timeout=300,
+def _sigterm_then_resume(engine: str, root: Path, resumed_root: Path) -> SimpleNamespace:
+    """Two jobs, one after the other. The first is sent SIGTERM mid-training (after its step-2 checkpoint);
+    the second, a new job, resumes from the exception checkpoint the first committed, trains 2 steps, fits
+    again (2 more), tests, and runs collectives after fit and after test. What each test judges, as it was
+    when each job ended."""
+    ckpts = root / "checkpoints"
+    proc = _start(root, *_engine_args(engine), "--max-steps", "100000")
+    try:
+        _wait_for(ckpts / "epoch=0-step=2.ckpt", proc, seconds=240)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # to the launching process, as SLURM / Kubernetes do
+        rc, out = _finish(proc, timeout=120)
+        elapsed = time.monotonic() - start
+    finally:
+        _kill_tree(proc)
+    run = SimpleNamespace(
+        sigterm_rc=rc,
+        sigterm_out=out,
+        sigterm_elapsed=elapsed,
+        # every rank's stop step: one value when all stopped at the same step
+        stopped={int(s) for s in re.findall(r"stopped by SIGTERMException at step (\d+)", out)},
+        exception_ckpt=ckpts / "on_exception.ckpt",
+        exception_ckpt_is_dir=(ckpts / "on_exception.ckpt").is_dir(),
+        exception_ckpt_is_link=(ckpts / "on_exception.ckpt").is_symlink(),
+        sigterm_tmp=list(root.rglob("*.tmp")),
+        sigterm_alive=_alive(root),
+        step=None,
     )
-    assert rc == 0, out[-3000:]
+    if len(run.stopped) != 1 or not run.exception_ckpt_is_dir:
+        return run  # nothing to resume from: the tests report why
+    (run.step,) = run.stopped
+    args = ["--max-steps", str(run.step + 2), "--every", "1", "--then-test", "--collectives"]
+    proc = _start(resumed_root, *_engine_args(engine), *args, "--resume", str(run.exception_ckpt))
+    try:
+        run.resumed_rc, run.resumed_out = _finish(proc, timeout=300)
+    finally:
+        _kill_tree(proc)
+    run.resumed_tmp = list(resumed_root.rglob("*.tmp"))
+    run.resumed_alive = _alive(resumed_root)
+    return run
+
+
+@pytest.fixture(scope="module")
+def sigterm_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future]:
+    """Per engine, :func:`_sigterm_then_resume`: the SIGTERM test judges both jobs, the fit / fit again /
+    test one the second (one launch serves both). The engines' jobs run at once: each mostly runs one
+    process at a time (rank 0 imports, then rank 1; each exits in turn), so two share 2 cores."""
+    engines = sorted(
+        {
+            item.callspec.params["engine"]
+            for item in request.session.items
+            if "sigterm_runs" in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+        }
+    )
+    pool = ThreadPoolExecutor(max_workers=len(engines) or 1)
+    runs = {
+        engine: pool.submit(
+            _sigterm_then_resume,
+            engine,
+            tmp_path_factory.mktemp(f"sigterm-{engine}"),
+            tmp_path_factory.mktemp(f"resumed-{engine}"),
+        )
+        for engine in engines
+    }
+    pool.shutdown(wait=True)
+    return runs  # each engine's tests take their own result (or its error) with .result()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_mid_training_commits_an_exception_checkpoint_that_resumes_at_its_step(sigterm_runs, engine):
+    run = sigterm_runs[engine].result()
+    out = run.sigterm_out
+    assert run.sigterm_elapsed < 60, out[-3000:]
+    assert run.sigterm_rc == 0, out[-3000:]  # Lightning ends a SIGTERM-stopped fit with SystemExit(None)
+    assert len(run.stopped) == 1, out[-3000:]  # every rank stopped at the same step
+    step = run.step
+    assert run.exception_ckpt_is_dir
+    assert not run.exception_ckpt_is_link  # written, not linked to a prunable checkpoint
+    assert not run.sigterm_tmp
+    assert not run.sigterm_alive
+
+    out = run.resumed_out
+    assert run.resumed_rc == 0, out[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} of 2 starts training at step {step}" in out
         assert f"rank {rank} finished fit at step {step + 2}" in out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_between_calls(
+    sigterm_runs, engine
+):
+    # The job that resumes the SIGTERM test's exception checkpoint: fit (2 steps), fit again (2 more), test,
+    # checkpoints after every step (the FSDP engine's asynchronous), collectives after fit and after test.
+    run = sigterm_runs[engine].result()
+    assert run.step is not None, f"no job resumed: the SIGTERM run failed\n{run.sigterm_out[-3000:]}"
+    rc, out, step = run.resumed_rc, run.resumed_out, run.step
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        for after in ("fit", "test"):
+            expected = f"rank {rank} after {after}: broadcast=path-from-rank-0 sum=3.0 gather=[0.0, 1.0]"
+            assert expected in out, out[-3000:]
+        assert f"rank {rank} finished fit at step {step + 2}" in out
+        assert f"rank {rank} process group alive after fit: True" in out
+        assert f"rank {rank} finished second fit at step {step + 4}" in out
+        assert f"rank {rank} finished test" in out
+    assert not run.resumed_tmp
+    assert not run.resumed_alive
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -278,30 +365,52 @@ def test_a_torchrun_job_that_loses_a_node_resumes_on_the_one_left_resharded(tmp_
         f"--rdzv-endpoint=localhost:{port}",
         "--rdzv-id=lose-a-node",
         "--max-restarts=1",
-        "--rdzv-conf=last_call_timeout=3,join_timeout=120",
         "--monitor-interval=0.5",
     ]
+    # A node is declared dead 3 s after its last heartbeat (1 s apart), not torch's 15 s (5 s x 3): the
+    # restart waits that long for the killed node to leave the rendezvous, then last_call_timeout.
+    rdzv_conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
     job = [str(JOB), "--root", str(tmp_path), *_engine_args("fsdp"), "--elastic", "--resume", "last"]
-    job += ["--max-steps", "10", "--step-sleep", "0.5", "--digest"]
+    # Steps sleep in the first attempt only: time for the kill to land mid-training; the restart runs at speed.
+    job += ["--max-steps", "10", "--step-sleep", "0.5", "--sleep-first-attempt", "--digest"]
     env = {
         key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     kwargs: dict = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "env": env}
-    first = subprocess.Popen([*torchrun, *job], **kwargs)
-    time.sleep(2)  # the first agent hosts the rendezvous store
-    second = subprocess.Popen([*torchrun, *job], **kwargs)
+    # The first agent hosts the rendezvous store (it outlives the second node); the second dials it, retrying
+    # until it is up, so both start at once.
+    first = subprocess.Popen([*torchrun, f"--rdzv-conf={rdzv_conf},is_host=1", *job], **kwargs)
+    second = subprocess.Popen([*torchrun, f"--rdzv-conf={rdzv_conf},is_host=0", *job], **kwargs)
+    reference: subprocess.Popen | None = None
+    ckpts = tmp_path / "checkpoints"
+
+    def start_reference(step: int) -> subprocess.Popen:
+        """One process that resumes from the step-``step`` checkpoint and trains to the end uninterrupted."""
+        return _torchrun_start(
+            ["--standalone"],
+            tmp_path / f"reference-{step}",
+            *_engine_args("fsdp"),
+            *("--elastic", "--every", "0", "--max-steps", "10", "--digest"),
+            *("--resume", str(ckpts / f"epoch=0-step={step}.ckpt")),
+            workers=1,
+        )
+
     try:
         deadline = time.time() + 180
-        while not (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists():
+        while not (ckpts / "epoch=0-step=4.ckpt").exists():
             assert time.time() < deadline and first.poll() is None, "no checkpoint at step 4"
             time.sleep(0.2)
         for pid in _process_tree(second.pid):  # the node: its agent and its worker (in its own session)
             os.kill(pid, signal.SIGKILL)
+        # The reference from the step-4 checkpoint runs while the first agent restarts its worker: the step
+        # the restart resumes at is `last` when the node died, step 4 unless a later checkpoint was committed
+        # before the kill landed (then the reference is run again from that one, below).
+        reference = start_reference(4)
         out, _ = first.communicate(timeout=300)
+        ref = _torchrun_finish(reference)
     finally:
-        for proc in (first, second):
-            for pid in _process_tree(proc.pid) if proc.poll() is None else []:
-                os.kill(pid, signal.SIGKILL)
+        for proc in (first, second, *([reference] if reference else [])):
+            _kill_tree(proc)
     assert first.returncode == 0, out[-4000:]
     # The first attempt on 2 nodes, then torchrun's one restart on the node left.
     starts = re.findall(r"rank 0 of (\d) starts training at step (\d+)\nrank 0 torchrun restart (\d)", out)
@@ -311,19 +420,13 @@ def test_a_torchrun_job_that_loses_a_node_resumes_on_the_one_left_resharded(tmp_
     assert (world, restart) == ("1", "1"), (starts, out[-4000:])
     # From `last` as it was when the node died: a checkpoint written at step 4 or later, every 2 steps.
     assert "Restoring states from the checkpoint path at" in out, out[-4000:]
-    assert resumed >= 4 and (tmp_path / "checkpoints" / f"epoch=0-step={resumed}.ckpt").is_dir(), resumed
+    assert resumed >= 4 and (ckpts / f"epoch=0-step={resumed}.ckpt").is_dir(), resumed
     assert "rank 0 finished fit at step 10" in out, out[-4000:]
     assert not list(tmp_path.rglob("*.tmp"))
     # The same weights as one process that resumes from that checkpoint and trains to the end uninterrupted.
-    reference = _torchrun(
-        ["--standalone"],
-        tmp_path / "reference",
-        *_engine_args("fsdp"),
-        *("--elastic", "--every", "0", "--max-steps", "10", "--digest"),
-        *("--resume", str(tmp_path / "checkpoints" / f"epoch=0-step={resumed}.ckpt")),
-        workers=1,
-    )
-    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-4000:]
-    assert f"rank 0 of 1 starts training at step {resumed}" in reference.stdout, reference.stdout[-4000:]
-    expected = _weights(reference.stdout)
-    assert len(expected) == 1 and _weights(out) == expected, (out[-2000:], reference.stdout[-2000:])
+    if resumed != 4:
+        ref = _torchrun_finish(start_reference(resumed))
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    assert f"rank 0 of 1 starts training at step {resumed}" in ref.stdout, ref.stdout[-4000:]
+    expected = _weights(ref.stdout)
+    assert len(expected) == 1 and _weights(out) == expected, (out[-2000:], ref.stdout[-2000:])

@@ -1,9 +1,9 @@
 """RayShardStrategy inside Ray Train ``TorchTrainer`` workers, on a real local Ray cluster.
 
 ``tests/jobs/ray_job.py`` runs, in one Ray session, the job as Ray's Lightning guide writes it: 2 workers under
-RayDDPStrategy and RayShardStrategy (FSDP stages 0-3, DeepSpeed stage 3, tensor parallel), a worker lost in
-epoch 2 and the run restarted by Ray from the sharded checkpoint it reported (Ray's storage on the local S3
-server), and checkpoints of 2 workers resumed on 1.
+RayDDPStrategy and RayShardStrategy (FSDP stages 1 and 3, DeepSpeed stage 3, tensor parallel), then a Trainer that
+loses a worker in epoch 2 and that Ray restarts from the sharded checkpoint it reported (all in one run, whose
+storage is the local S3 server), and checkpoints of 2 workers resumed on 1.
 Ray runs in its own process: Ray and pytest's forked ranks do not mix.
 """
 
@@ -29,13 +29,10 @@ pytest.importorskip(
 pytestmark = pytest.mark.multirank
 
 JOB = Path(__file__).parent / "jobs" / "ray_job.py"
-SHARD = [
-    "fsdp1",
-    "fsdp3",
-    "deepspeed3",
-    "fsdp0",
-    "fsdp2",
-]  # data-parallel over both workers, as RayDDPStrategy
+# The Trainers of the job's 2-worker run, in order (a Trainer's index is the run_id it reports with each checkpoint).
+TWO_WORKERS = ["ddp", "fsdp1", "fsdp3", "deepspeed3", "tp2", "fsdp3_lost_worker"]
+SHARD = ["fsdp1", "fsdp3", "deepspeed3"]  # data-parallel over both workers, as RayDDPStrategy
+LOST = TWO_WORKERS.index("fsdp3_lost_worker")
 STEPS_PER_EPOCH = 4  # 32 samples, batch 4 per worker, 2 workers
 DCP_RANK0 = ["checkpoint.ckpt/.metadata", "checkpoint.ckpt/__0_0.distcp", "checkpoint.ckpt/meta.pt"]
 DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
@@ -72,33 +69,36 @@ def _ranks(root: Path, part: str, name: str, world: int) -> list[dict[str, Any]]
     return ranks
 
 
+def test_the_job_runs_the_trainers_the_tests_name():
+    from tests.jobs.ray_job import TWO_WORKERS as JOB_TRAINERS
+
+    assert JOB_TRAINERS == TWO_WORKERS
+
+
 def test_every_engine_trains_as_ray_ddp_in_ray_workers(job):
-    _part(job, "parity")
-    ddp = _ranks(job, "parity", "ddp", 2)[0]["losses"]
+    _part(job, "two_workers")
+    ddp = _ranks(job, "two_workers", "ddp", 2)[0]["losses"]
     assert len(ddp) == 2 * STEPS_PER_EPOCH
     for name in SHARD:
-        losses = _ranks(job, "parity", name, 2)[0]["losses"]
+        losses = _ranks(job, "two_workers", name, 2)[0]["losses"]
         torch.testing.assert_close(losses, ddp, rtol=1e-5, atol=0, msg=name)
 
 
 def test_each_worker_reports_its_own_shards_and_ray_keeps_the_whole_checkpoint(job):
-    checkpoints = _part(job, "parity")["checkpoints"]
-    assert len(checkpoints) == 14  # 7 Trainers x 2 epochs
+    checkpoints = _part(job, "two_workers")["checkpoints"]
+    # 2 per Trainer (one per epoch); the lost worker's Trainer: epoch 1 before the loss, epoch 2 after the restart
+    assert sorted(c["run_id"] for c in checkpoints) == sorted(2 * list(range(len(TWO_WORKERS)))), checkpoints
     for name in ("fsdp1", "fsdp3"):
         # Each worker's own directory (on its own host, all Ray can upload from it): its own shard only.
-        rank0, rank1 = _ranks(job, "parity", name, 2)
+        rank0, rank1 = _ranks(job, "two_workers", name, 2)
         assert rank0["reported"] == [DCP_RANK0, DCP_RANK0], name
         assert rank1["reported"] == [DCP_RANK1, DCP_RANK1], name
     for saved in checkpoints:
-        files = saved["files"]
+        files, name = saved["files"], TWO_WORKERS[int(saved["run_id"])]
         assert not any(".tmp" in f for f in files), files  # every rank committed its part
-        if saved["run_id"] in (
-            1,
-            2,
-            5,
-        ):  # FSDP stages 1, 3, 2: DCP shards of both ranks and rank 0's metadata
+        if name in ("fsdp1", "fsdp3"):  # DCP shards of both ranks and rank 0's metadata
             assert files == sorted(DCP_RANK0 + DCP_RANK1), files
-        elif saved["run_id"] == 3:  # DeepSpeed ZeRO-3: each rank's partition files
+        elif name == "deepspeed3":  # DeepSpeed ZeRO-3: each rank's partition files
             for rank in (0, 1):
                 assert any(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in f for f in files), files
 
@@ -111,10 +111,10 @@ def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
 
     from tests.jobs.ray_job import JobModule, _data
 
-    (rank0, rank1) = _ranks(job, "parity", "tp2", 2)
+    (rank0, rank1) = _ranks(job, "two_workers", "tp2", 2)
     assert rank1["losses"] == rank0["losses"]
     L.seed_everything(0)
-    model = JobModule(run_id=6)
+    model = JobModule(run_id=TWO_WORKERS.index("tp2"))
     trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=-1, max_epochs=2))
     data = _data().dataset
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -125,14 +125,14 @@ def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
 
 def test_a_lost_worker_restarts_from_the_reported_sharded_checkpoint_and_ends_as_the_uninterrupted_run(job):
     # Rank 1 exited inside epoch 2 of the first attempt; Ray restarted both workers (max_failures=1).
-    saved = _part(job, "failure")["checkpoints"]
+    saved = [c for c in _part(job, "two_workers")["checkpoints"] if c["run_id"] == LOST]
     assert [c["epoch"] for c in saved] == [0, 1]
     for checkpoint in saved:  # in s3:// storage: both workers' shards uploaded, every rank's part committed
-        assert checkpoint["path"].startswith("ray/storage/failure/"), checkpoint["path"]
+        assert checkpoint["path"].startswith("ray/storage/two_workers/"), checkpoint["path"]
         assert checkpoint["files"] == sorted(DCP_RANK0 + DCP_RANK1), checkpoint["files"]
-    resumed = _ranks(job, "failure", "fsdp3", 2)[0]
+    resumed = _ranks(job, "two_workers", "fsdp3_lost_worker", 2)[0]
     assert resumed["start"] == STEPS_PER_EPOCH  # from the checkpoint reported at the end of epoch 1
-    uninterrupted = _ranks(job, "parity", "fsdp3", 2)[0]["losses"]
+    uninterrupted = _ranks(job, "two_workers", "fsdp3", 2)[0]["losses"]
     torch.testing.assert_close(resumed["losses"], uninterrupted[STEPS_PER_EPOCH:], rtol=1e-5, atol=0)
 
 
@@ -167,8 +167,14 @@ def test_a_checkpoint_of_two_workers_resumes_on_one(job, name):
     (one,) = _ranks(job, "reshard", name, 1)
     assert one["start"] == 2 * STEPS_PER_EPOCH  # the 2-worker checkpoint of epoch 2, resharded
     assert len(one["losses"]) == 2 * STEPS_PER_EPOCH  # the third epoch, all of it on one worker
+    # This run's storage is a local directory: the one worker's checkpoint of epoch 3, whole.
+    (saved,) = [
+        c for c in _part(job, "reshard")["checkpoints"] if c["run_id"] == ["fsdp3", "deepspeed3"].index(name)
+    ]
+    assert saved["epoch"] == 2 and not any(".tmp" in f for f in saved["files"]), saved
     if name == "fsdp3":
         assert one["reported"] == [DCP_RANK0]
+        assert saved["files"] == DCP_RANK0, saved
     # The weights and step resumed on one worker are those of an uninterrupted run in one process (measured:
     # 1.2e-7 relative; a resume that loses the weights or reads the wrong epoch is off by far more).
     expected = _one_process_three_epochs()

@@ -4,7 +4,8 @@ Lightning's own launcher starts rank 1; the process exits through normal interpr
 its exit code is what a scheduler would see. Used by the exit tests and benchmarks/stress_exit.py.
 
     --hang-rank R     rank R sleeps inside training_step at step --hang-step (a hung rank)
-    --step-sleep S    seconds each training step sleeps (time to send a signal mid-training)
+    --step-sleep S    seconds each training step sleeps (time to send a signal mid-training); with
+                      --sleep-first-attempt, only in torchrun's first attempt (a restarted one trains at full speed)
     --die-rank R      rank R exits at once (os._exit) at step --die-step, in torchrun's first attempt only
     --epoch-steps N   N steps per epoch (Lightning's limit_train_batches): checkpoints at epoch ends resume exactly
     --digest          each rank prints a SHA-256 of the full weights after fit
@@ -29,11 +30,18 @@ from lightning_shard.demos import GPTModule, TextDataModule
 
 class JobModule(GPTModule):
     def __init__(
-        self, hang_rank: int, hang_step: int, step_sleep: float, die_rank: int = -1, die_step: int = 3
+        self,
+        hang_rank: int,
+        hang_step: int,
+        step_sleep: float,
+        die_rank: int = -1,
+        die_step: int = 3,
+        sleep_first_attempt: bool = False,
     ) -> None:
         super().__init__(vocab_size=256, d_model=32, n_layers=2, n_heads=2, seq_len=32, lr=1e-3)
         self.hang_rank, self.hang_step, self.step_sleep = hang_rank, hang_step, step_sleep
         self.die_rank, self.die_step = die_rank, die_step
+        self.sleep_first_attempt = sleep_first_attempt
 
     def training_step(self, batch, batch_idx):  # type: ignore[override]
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -45,7 +53,7 @@ class JobModule(GPTModule):
                 f"rank {self.global_rank} hangs at step {self.global_step} at {time.time():.3f}", flush=True
             )
             time.sleep(3600)
-        if self.step_sleep:
+        if self.step_sleep and (first_attempt or not self.sleep_first_attempt):
             time.sleep(self.step_sleep)
         return super().training_step(batch, batch_idx)
 
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-step", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument(
+        "--sleep-first-attempt", action="store_true", help="--step-sleep in torchrun's first attempt only"
+    )
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=3)
     parser.add_argument("--resume", default=None)
@@ -163,7 +174,14 @@ def main(argv: list[str] | None = None) -> None:
         num_sanity_val_steps=0,
         limit_train_batches=args.epoch_steps,
     )
-    model = JobModule(args.hang_rank, args.hang_step, args.step_sleep, args.die_rank, args.die_step)
+    model = JobModule(
+        args.hang_rank,
+        args.hang_step,
+        args.step_sleep,
+        args.die_rank,
+        args.die_step,
+        args.sleep_first_attempt,
+    )
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     trainer.fit(model, data, ckpt_path=args.resume)
     import torch.distributed as dist

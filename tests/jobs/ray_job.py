@@ -1,17 +1,20 @@
 """Ray Train jobs on a local Ray cluster, written as Ray's Lightning guide writes them: ``TorchTrainer`` workers,
 ``RayLightningEnvironment``, ``RayTrainReportCallback``, ``prepare_trainer``, resume from ``ray.train.get_checkpoint()``.
 
-One Ray session runs every part given to ``--parts`` in turn (starting Ray and its workers is the slow step):
+One Ray session runs every part given to ``--parts`` in turn. Starting a run (its controller and each worker
+group: new processes that import torch and Lightning) is the slow step, so the parts are as few runs as what they
+show allows:
 
-    parity    2 workers fit the same small GPT (plain SGD) under RayDDPStrategy, then RayShardStrategy at FSDP
-              stages 1 and 3, DeepSpeed stage 3, FSDP stages 0 and 2, and stage 3 with tensor parallelism over
-              both workers (one data-parallel rank), 2 epochs each, one Trainer after another
-    failure   2 workers, FSDP stage 3; rank 1 exits (os._exit) inside epoch 2 of the first attempt; Ray restarts
-              the run (FailureConfig(max_failures=1)), which resumes from the checkpoint reported at epoch 1;
-              Ray's storage is ``s3://`` on the local S3 server (moto): the workers' shards are uploaded there
-              and the restarted run reads them back
-    reshard   1 worker resumes the FSDP stage 3 and the DeepSpeed stage 3 checkpoints that 2 workers reported at
-              the end of ``parity``, and trains a third epoch
+    two_workers  one run of 2 workers, its storage ``s3://`` on the local S3 server (moto): the same small GPT
+                 (plain SGD) under RayDDPStrategy, then RayShardStrategy at FSDP stages 1 and 3, DeepSpeed stage 3
+                 and stage 3 with tensor parallelism over both workers (one data-parallel rank), 2 epochs each, one
+                 Trainer after another; then a last FSDP stage 3 Trainer whose rank 1 exits (os._exit) inside epoch
+                 2: Ray restarts the run on 2 new workers (FailureConfig(max_failures=1)), which resume that Trainer
+                 from the checkpoint it reported at epoch 1, read back from the S3 server (the Trainers before it
+                 finished in the first attempt and are not run again)
+    reshard      1 worker resumes the FSDP stage 3 and the DeepSpeed stage 3 checkpoints that 2 workers reported at
+                 the end of epoch 2 in ``two_workers`` (read from the S3 server) and trains a third epoch; this run's
+                 storage is a local directory
 
 Writes ``<root>/<part>/<name>/rank<r>.json`` (the step training started at and each step's mean loss) and
 ``<root>/<part>.json`` (Ray's result: error, checkpoint directories).
@@ -53,10 +56,17 @@ STRATEGIES = {
     "fsdp1": lambda: RayShardStrategy(stage=1),
     "fsdp3": lambda: RayShardStrategy(stage=3),
     "deepspeed3": lambda: RayShardStrategy(stage=3, engine="deepspeed"),
-    "fsdp0": lambda: RayShardStrategy(stage=0),
-    "fsdp2": lambda: RayShardStrategy(stage=2),
     "tp2": lambda: RayShardStrategy(stage=3, tensor_parallel_size=2),
+    "fsdp3_lost_worker": lambda: RayShardStrategy(stage=3),
 }
+# FSDP stages 0 and 2 are not run here: nothing RayShardStrategy does depends on the stage (device, ranks, mesh,
+# Ray's process group, each worker's own checkpoint copy), stage 0 is stage 1's DDP wrapper without the optimizer
+# partition and stage 2 is stage 3's FSDP2 wrapping without resharding after forward; their losses and checkpoints
+# are tested under ShardStrategy (tests/test_parity_multirank.py, test_strategy_multirank.py, test_checkpoint_*).
+#: The Trainers of ``two_workers`` in order (a Trainer's index is its ``run_id``); the last one loses a worker.
+TWO_WORKERS = list(STRATEGIES)
+LOST = TWO_WORKERS[-1]
+EXIT_AT = (1, 1)  # (epoch, batch) where rank 1 of the first attempt exits
 
 
 class JobModule(GPTModule):
@@ -125,7 +135,23 @@ def train_func(config: dict[str, Any]) -> None:
     # Read once: Ray's answer changes with each checkpoint this run reports (one Trainer after another).
     reported = ray.train.get_checkpoint()
     for run_id, name in enumerate(config["names"]):
-        resume = config["resume"][name] if config.get("resume") else reported
+        out = Path(config["out"], name)
+        if config.get("resume"):
+            resume = config["resume"][name]
+        elif reported is not None:
+            # Ray restarted the run after the lost worker: resume the Trainer that lost it from the checkpoint
+            # it reported. The Trainers before it finished in the first attempt; one that did not would have
+            # caused the restart, and is reported here rather than resumed from another Trainer's checkpoint.
+            if name != config.get("lost"):
+                if not (out / f"rank{ray.train.get_context().get_world_rank()}.json").exists():
+                    raise RuntimeError(
+                        f"Ray restarted the run before {name} finished (only {config.get('lost')} loses a worker):"
+                        " the first attempt's error is in Ray's worker logs, /tmp/ray/session_latest/logs"
+                    )
+                continue
+            resume = reported
+        else:
+            resume = None
         L.seed_everything(0)
         report = RecordingReport()
         trainer = L.Trainer(
@@ -141,8 +167,8 @@ def train_func(config: dict[str, Any]) -> None:
             enable_model_summary=False,
         )
         trainer = prepare_trainer(trainer)
-        exit_at = tuple(config["exit_at"]) if config.get("exit_at") and resume is None else None
-        model = JobModule(run_id, exit_at)  # type: ignore[arg-type]
+        exit_at = EXIT_AT if name == config.get("lost") and resume is None else None
+        model = JobModule(run_id, exit_at)
         if resume is not None:
             with resume.as_directory() as directory:
                 trainer.fit(
@@ -150,7 +176,6 @@ def train_func(config: dict[str, Any]) -> None:
                 )
         else:
             trainer.fit(model, _data())
-        out = Path(config["out"], name)
         out.mkdir(parents=True, exist_ok=True)
         result = {
             "start": model.start_step,
@@ -201,10 +226,13 @@ def _run(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
-    parser.add_argument("--parts", nargs="+", default=["parity", "failure", "reshard"])
+    parser.add_argument("--parts", nargs="+", default=["two_workers", "reshard"])
     args = parser.parse_args()
     root = Path(args.root)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(HEALTH_CHECK_S)  # read by Ray's controller
+    # Ray Train's preemption watcher (an actor per worker group) polls for nodes being drained; one local node
+    # is never drained, and the lost worker is seen by the controller's health check, not by the watcher.
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     with contextlib.ExitStack() as stack:
         # Started before Ray, whose workers inherit its endpoint and credentials (AWS_* variables).
         stack.enter_context(local_s3_server(bucket="ray", log=root / "moto.log"))
@@ -216,20 +244,20 @@ def main() -> None:
 
 
 def _parts(root: Path, parts: list[str], s3: str) -> None:
-    names = list(STRATEGIES)
     for part in parts:
-        if part == "parity":
-            _run(root, part, 2, names=names, max_epochs=2)
-        elif part == "failure":
-            _run(root, part, 2, max_failures=1, storage=s3, names=["fsdp3"], max_epochs=2, exit_at=[1, 1])
+        if part == "two_workers":
+            _run(root, part, 2, max_failures=1, storage=s3, names=TWO_WORKERS, max_epochs=2, lost=LOST)
         elif part == "reshard":
-            saved = json.loads((root / "parity.json").read_text())["checkpoints"]
+            saved = json.loads((root / "two_workers.json").read_text())["checkpoints"]
+            s3_files, _ = pyarrow.fs.FileSystem.from_uri(s3)
             resume = {}
             for name in ("fsdp3", "deepspeed3"):
-                paths = [c["path"] for c in saved if c["run_id"] == names.index(name) and c["epoch"] == 1]
+                paths = [
+                    c["path"] for c in saved if c["run_id"] == TWO_WORKERS.index(name) and c["epoch"] == 1
+                ]
                 if not paths:
                     raise SystemExit(f"no {name} checkpoint of epoch 2 among {saved}")
-                resume[name] = Checkpoint(paths[0])
+                resume[name] = Checkpoint(paths[0], filesystem=s3_files)
             _run(root, part, 1, names=list(resume), max_epochs=3, resume=resume)
 
 
