@@ -57,8 +57,8 @@ def _fit_as_group(root: str, lighthouse: str, ports: list[int], plain: bool, sta
             REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse, TORCHFT_MIN_REPLICAS="2"
         )
     args = argparse.Namespace(
-        max_steps=4, die_at_step=None, fail_at_step=None, rejoin_by_step=None, step_time=0.0, plain=plain,
-        d_model=32, epoch_steps=2, ckpt_every=0 if plain else 2,
+        max_steps=4, die_at_step=None, fail_at_step=None, rejoin_by_step=None, term_at_step=None, step_time=0.0,
+        plain=plain, d_model=32, epoch_steps=2, ckpt_every=0 if plain else 2,
     )  # fmt: skip
     for stage in stages:
         train.fit(args, stage, Path(root) / ("plain" if plain else "ft") / f"stage{stage}")

@@ -29,10 +29,7 @@ pytest.importorskip(
 pytestmark = pytest.mark.multirank
 
 JOB = Path(__file__).parent / "jobs" / "ray_job.py"
-# The Trainers of the job's 2-worker run, in order (a Trainer's index is the run_id it reports with each checkpoint).
-TWO_WORKERS = ["ddp", "fsdp1", "fsdp3", "deepspeed3", "tp2", "fsdp3_lost_worker"]
 SHARD = ["fsdp1", "fsdp3", "deepspeed3"]  # data-parallel over both workers, as RayDDPStrategy
-LOST = TWO_WORKERS.index("fsdp3_lost_worker")
 STEPS_PER_EPOCH = 4  # 32 samples, batch 4 per worker, 2 workers
 DCP_RANK0 = ["checkpoint.ckpt/.metadata", "checkpoint.ckpt/__0_0.distcp", "checkpoint.ckpt/meta.pt"]
 DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
@@ -69,10 +66,18 @@ def _ranks(root: Path, part: str, name: str, world: int) -> list[dict[str, Any]]
     return ranks
 
 
-def test_the_job_runs_the_trainers_the_tests_name():
-    from tests.jobs.ray_job import TWO_WORKERS as JOB_TRAINERS
+def _two_workers() -> list[str]:
+    """The Trainers of the job's 2-worker run, in order (a Trainer's index is the run_id it reports)."""
+    from tests.jobs.ray_job import TWO_WORKERS
 
-    assert JOB_TRAINERS == TWO_WORKERS
+    return TWO_WORKERS
+
+
+def _lost() -> int:
+    """The run_id of the Trainer that loses a worker."""
+    from tests.jobs.ray_job import LOST
+
+    return _two_workers().index(LOST)
 
 
 def test_every_engine_trains_as_ray_ddp_in_ray_workers(job):
@@ -87,14 +92,16 @@ def test_every_engine_trains_as_ray_ddp_in_ray_workers(job):
 def test_each_worker_reports_its_own_shards_and_ray_keeps_the_whole_checkpoint(job):
     checkpoints = _part(job, "two_workers")["checkpoints"]
     # 2 per Trainer (one per epoch); the lost worker's Trainer: epoch 1 before the loss, epoch 2 after the restart
-    assert sorted(c["run_id"] for c in checkpoints) == sorted(2 * list(range(len(TWO_WORKERS)))), checkpoints
+    assert sorted(c["run_id"] for c in checkpoints) == sorted(2 * list(range(len(_two_workers())))), (
+        checkpoints
+    )
     for name in ("fsdp1", "fsdp3"):
         # Each worker's own directory (on its own host, all Ray can upload from it): its own shard only.
         rank0, rank1 = _ranks(job, "two_workers", name, 2)
         assert rank0["reported"] == [DCP_RANK0, DCP_RANK0], name
         assert rank1["reported"] == [DCP_RANK1, DCP_RANK1], name
     for saved in checkpoints:
-        files, name = saved["files"], TWO_WORKERS[int(saved["run_id"])]
+        files, name = saved["files"], _two_workers()[int(saved["run_id"])]
         assert not any(".tmp" in f for f in files), files  # every rank committed its part
         if name in ("fsdp1", "fsdp3"):  # DCP shards of both ranks and rank 0's metadata
             assert files == sorted(DCP_RANK0 + DCP_RANK1), files
@@ -114,7 +121,7 @@ def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
     (rank0, rank1) = _ranks(job, "two_workers", "tp2", 2)
     assert rank1["losses"] == rank0["losses"]
     L.seed_everything(0)
-    model = JobModule(run_id=TWO_WORKERS.index("tp2"))
+    model = JobModule(run_id=_two_workers().index("tp2"))
     trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=-1, max_epochs=2))
     data = _data().dataset
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -125,7 +132,7 @@ def test_tensor_parallel_over_both_workers_trains_as_one_process(job):
 
 def test_a_lost_worker_restarts_from_the_reported_sharded_checkpoint_and_ends_as_the_uninterrupted_run(job):
     # Rank 1 exited inside epoch 2 of the first attempt; Ray restarted both workers (max_failures=1).
-    saved = [c for c in _part(job, "two_workers")["checkpoints"] if c["run_id"] == LOST]
+    saved = [c for c in _part(job, "two_workers")["checkpoints"] if c["run_id"] == _lost()]
     assert [c["epoch"] for c in saved] == [0, 1]
     for checkpoint in saved:  # in s3:// storage: both workers' shards uploaded, every rank's part committed
         assert checkpoint["path"].startswith("ray/storage/two_workers/"), checkpoint["path"]

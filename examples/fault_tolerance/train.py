@@ -120,7 +120,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
     flags: dict[str, Any] = plain if args.plain else {"fault_tolerance": {"timeout": 20}}
     groups_waited = 0 if args.plain else groups
     record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
-    record.rejoin_at, record.term_at = args.rejoin_by_step, getattr(args, "term_at_step", None)
+    record.rejoin_at, record.term_at = args.rejoin_by_step, args.term_at_step
     callbacks: list[L.Callback] = [record, OnExceptionCheckpoint(out / "exception", f"{name}_on_exception")]
     if args.ckpt_every:  # with fault tolerance, written by the lowest live group only
         every = args.ckpt_every
