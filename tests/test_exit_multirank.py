@@ -249,7 +249,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_an_error_naming_it(tmp
     assert "CollectiveTimeoutError" in out, out[-3000:]
     assert f"ShardStrategy(timeout=0:00:{timeout:02d})" in out
     # At most two timeouts after the hang began (the step's collective, then nothing else waits on the
-    # lost rank), then rank 0 waits CHILD_EXIT_GRACE_AFTER_FAILURE_S before stopping the hung rank.
+    # lost rank), then rank 0 waits CHILD_EXIT_GRACE_S before stopping the hung rank.
     assert ended - float(hung_at.group(1)) < 2 * timeout + 2 + 5, (
         ended - float(hung_at.group(1)),
         out[-3000:],
@@ -300,27 +300,66 @@ def test_save_checkpoint_after_fit_on_the_live_groups_then_resume_from_it(tmp_pa
             assert torch.equal(value, results[1]["weights"][name])
 
 
-def test_a_fabric_rank_that_outlives_rank_0_is_stopped_as_under_the_trainer(tmp_path):
-    # The same launcher rule as the Trainer door's (test_a_hung_rank_ends_the_job...): rank 0, exiting,
-    # waits for the rank it started, then stops it. Lightning's plain Fabric launcher leaves it running.
-    job = Path(__file__).parent / "jobs" / "fabric_exit_job.py"
+OUTLIVE_JOB = Path(__file__).parent / "jobs" / "outlive_job.py"
+
+
+def _outliving(root: Path, *args: str) -> SimpleNamespace:
+    """``outlive_job.py``, whose rank 1 writes its file 12 s after rank 0 finished: what the tests judge once
+    the job ended."""
     proc = subprocess.Popen(
-        [sys.executable, str(job), "--root", str(tmp_path), "--grace", "2"],
+        [sys.executable, str(OUTLIVE_JOB), "--root", str(root), "--outlive", "12", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**job_env(), "PYTHONUNBUFFERED": "1"},
     )
     try:
-        rc, out = _finish(proc, timeout=180)
+        rc, out = _finish(proc, timeout=240)
     finally:
-        lingering = _alive(tmp_path)
+        _kill_tree(proc)
+        lingering = _alive(root)  # a rank 1 that rank 0 left behind: not in rank 0's process tree any more
         for line in lingering:
             os.kill(int(line.split()[0]), signal.SIGKILL)
-    assert rc == 0, out[-3000:]
-    assert "rank 0 stepped" in out and "rank 1 outlives rank 0" in out, out[-3000:]
-    assert "rank 1 (pid" in out and "stopping it" in out, out[-3000:]
-    assert not lingering, lingering
+    return SimpleNamespace(rc=rc, out=out, written=(root / "rank1.done").exists(), lingering=lingering)
+
+
+@pytest.fixture(scope="module")
+def outliving_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """Both doors' jobs at once (each mostly runs one process at a time, then sleeps): the Trainer's fits at
+    stage 3 then stage 0 on the same ranks; the Fabric one's rank 1 exits with code 3 once its file is written."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {
+        "trainer": pool.submit(_outliving, tmp_path_factory.mktemp("outlive-trainer"), "--stages", "3", "0"),
+        "fabric": pool.submit(
+            _outliving, tmp_path_factory.mktemp("outlive-fabric"), "--door", "fabric", "--exit-code", "3"
+        ),
+    }
+    pool.shutdown(wait=True)
+    return runs
+
+
+def test_a_rank_that_outlives_rank_0_is_waited_for_and_the_job_exits_zero(outliving_runs):
+    # A slower shard, a slow disk: rank 1 writes its file 12 s after rank 0 finished. Rank 0 waits for it, as
+    # torchrun waits for its workers and as under DDPStrategy, however long it takes; no rank is stuck.
+    run = outliving_runs["trainer"].result()
+    assert run.rc == 0, run.out[-3000:]
+    for rank in (0, 1):
+        for stage in (3, 0):
+            assert f"rank {rank} finished stage {stage} at step 2" in run.out, run.out[-3000:]
+    assert run.written, run.out[-3000:]
+    assert "stopping it" not in run.out, run.out[-3000:]
+    assert not run.lingering, run.lingering
+
+
+def test_a_rank_that_fails_after_rank_0_succeeded_makes_the_job_fail(outliving_runs):
+    # The Fabric door's launcher waits as the Trainer's does; rank 1 then exits with code 3 while rank 0 had
+    # finished without error: the job's exit code is rank 1's, as a scheduler must see it.
+    run = outliving_runs["fabric"].result()
+    assert run.rc == 3, run.out[-3000:]
+    assert "rank 0 stepped" in run.out and "rank 1 stepped" in run.out, run.out[-3000:]
+    assert run.written, run.out[-3000:]
+    assert "rank 1 (pid" in run.out and "exited with code 3" in run.out, run.out[-3000:]
+    assert not run.lingering, run.lingering
 
 
 def test_a_torchrun_restart_reconnects_and_resumes_to_the_uninterrupted_runs_weights(tmp_path, torchrun_job):

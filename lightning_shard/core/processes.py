@@ -14,8 +14,9 @@ commit their pending checkpoints first, then every group this package made is de
 own ``init_process_group`` is left alone). ``timeout`` applies to every group, and a collective that
 exceeds it raises :class:`CollectiveTimeoutError`; from then on every collective of the strategy
 raises too (the ranks no longer agree on anything), never a local value. Child ranks started by
-either door's launcher (:class:`ReapChildren`) are waited for when rank 0 exits, and stopped if they do
-not follow.
+either door's launcher (:class:`ReapChildren`) are waited for when rank 0 exits, after its own release, for
+as long as they run, as torchrun waits for its workers; one is stopped only when it is known to be stuck
+(:func:`reap_children`), and a child that fails makes the job fail.
 
 Under torchrun's elastic agent the rendezvous store outlives the workers: a restarted attempt keys its
 groups by ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` (:func:`store_prefix`), so it never
@@ -31,6 +32,8 @@ import logging
 import os
 import re
 import subprocess
+import sys
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -45,11 +48,13 @@ from lightning_shard import _compat
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: How long rank 0, exiting, waits for the ranks it launched before it stops them; after a collective
-#: failed (a rank is hung or dead) the healthy ones have already failed too, so it waits less.
-CHILD_EXIT_GRACE_S = 10.0
-CHILD_EXIT_GRACE_AFTER_FAILURE_S = 2.0
+#: How long rank 0, exiting, still waits for the ranks it launched once one may be stuck (a collective failed,
+#: or rank 0 is exiting on an uncaught exception: :func:`reap_children`) before it stops them. A healthy rank
+#: has failed on its own by then (its collectives lost a peer); a rank that is merely slower is never stopped.
+CHILD_EXIT_GRACE_S = 2.0
 _collective_failed = False
+#: The ranks this process launched (local rank, process), reaped at exit after this process's own release.
+_CHILDREN: list[tuple[int, subprocess.Popen]] = []
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
 
@@ -115,7 +120,18 @@ def store_prefix(generation: int) -> str:
 
 def _release_all_at_exit() -> None:
     """At interpreter exit: every live strategy commits its engine's pending checkpoints and releases
-    the groups it made, newest first; then the default group, if this package made it."""
+    the groups it made, newest first; then the default group, if this package made it; then rank 0 waits
+    for the ranks it launched (:func:`reap_children`).
+
+    The wait comes last: a child may still be in a collective of its own exit that needs this process's
+    release, and waiting for it first would hold both until the collective timed out."""
+    try:
+        _release_groups_at_exit()
+    finally:
+        reap_children()
+
+
+def _release_groups_at_exit() -> None:
     global _world_made
     for key in sorted(_LIVE.keys(), reverse=True):
         strategy = _LIVE.get(key)
@@ -249,32 +265,65 @@ def timeout_error(
 
 
 class ReapChildren:
-    """Mixed into a door's subprocess launcher: rank 0, exiting, waits for the ranks it started, then stops
-    any still running (a rank hung in its training step would otherwise outlive the job)."""
+    """Mixed into a door's subprocess launcher: rank 0, exiting, waits for the ranks it started (a rank that
+    outlives it, or hangs in its training step, would otherwise be orphaned, and its failure lost)."""
 
     procs: list[subprocess.Popen]
 
     def _call_children_scripts(self) -> None:
         super()._call_children_scripts()  # type: ignore[misc]
-        atexit.register(reap_children, list(self.procs))
+        _CHILDREN.extend(enumerate(self.procs, start=1))
 
 
-def reap_children(procs: list[subprocess.Popen]) -> None:
-    """Wait for each child rank; stop one still running after the grace period, and log its exit code."""
-    grace_s = CHILD_EXIT_GRACE_AFTER_FAILURE_S if _collective_failed else CHILD_EXIT_GRACE_S
-    for rank, proc in enumerate(procs, start=1):
+def reap_children() -> None:
+    """Wait for every rank this process launched, for as long as each runs, and make the job fail if one did.
+
+    A rank is stopped only when it is known to be stuck: a collective failed in this process (the ranks no
+    longer agree; one is hung or dead), or this process is exiting on an uncaught exception (the others may
+    wait for it in a collective). Then those still running :data:`CHILD_EXIT_GRACE_S` later are killed. A
+    launched rank that fails while this one waits for another is Lightning's to handle: the observer thread
+    its launcher starts with the children kills every rank, this one included, within seconds.
+    """
+    failing = _exiting_on_error()
+    deadline = time.monotonic() + CHILD_EXIT_GRACE_S if failing or _collective_failed else None
+    for rank, proc in _CHILDREN:
         try:
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             log.error(
-                "lightning_shard: rank %d (pid %d) is still running %.0f s after rank 0 finished; stopping it.",
+                "lightning_shard: rank %d (pid %d) is still running %.0f s after the job failed; stopping it.",
                 rank,
                 proc.pid,
-                grace_s,
+                CHILD_EXIT_GRACE_S,
             )
             proc.kill()
             proc.wait()
-        if proc.returncode:
-            log.error(
-                "lightning_shard: rank %d (pid %d) exited with code %d.", rank, proc.pid, proc.returncode
-            )
+    failed = [(rank, proc) for rank, proc in _CHILDREN if proc.returncode]
+    _CHILDREN.clear()
+    for rank, proc in failed:
+        log.error("lightning_shard: rank %d (pid %d) exited with code %d.", rank, proc.pid, proc.returncode)
+    if failed and not failing:
+        _exit(_exit_status(failed[0][1].returncode))
+
+
+def _exiting_on_error() -> bool:
+    """Whether this interpreter is exiting on an uncaught exception: it printed it and kept it as
+    ``sys.last_exc`` (``sys.last_value`` before Python 3.12). A ``SystemExit`` sets neither."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
+def _exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it: its code, or 128 + the signal that killed it."""
+    return returncode if returncode > 0 else 128 - returncode
+
+
+def _exit(code: int) -> None:
+    """End this process with ``code`` from an exit handler, where ``sys.exit`` can no longer change it; the
+    output still buffered and the log handlers are flushed first (``os._exit`` skips both)."""
+    log.error(
+        "lightning_shard: rank 0 finished, but a rank it launched failed; the job exits with code %d.", code
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

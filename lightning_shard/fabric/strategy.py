@@ -33,6 +33,7 @@ from lightning_shard.core.transform import LossFn
 from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
+from lightning_shard.fabric._data import DataPosition
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
 from lightning_shard.fabric._setup import (
@@ -46,7 +47,7 @@ from lightning_shard.fabric._setup import (
 from lightning_shard.flags import args_doc, bind, takes_flags
 
 
-class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
+class ShardFabricStrategy(DataPosition, ProcessGroups, ParallelStrategy, _Sharded):
     """ZeRO stages 0-3 for a Lightning Fabric loop, over the engines :class:`~lightning_shard.ShardStrategy` uses.
 
     Takes ShardStrategy's arguments (``stage``, ``engine``, ``offload_*``, ``activation_checkpointing``,

@@ -43,6 +43,7 @@ from lightning_shard.trainer import _contexts as init_contexts
 from lightning_shard.trainer import _fault_tolerance as fault_tolerance
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard.trainer._checkpoint import interrupted, last_on_object_stores, with_module_state
+from lightning_shard.trainer._data import TrainingDataPosition
 from lightning_shard.trainer._pipeline import check_contract, predict_inputs, split_batch
 from lightning_shard.trainer._preemption import Preemption
 from lightning_shard.trainer._processes import TrainerLauncher
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 trainer_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
-class ShardStrategy(ProcessGroups, ParallelStrategy):
+class ShardStrategy(TrainingDataPosition, ProcessGroups, ParallelStrategy):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
     What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md ("Memory per

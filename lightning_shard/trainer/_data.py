@@ -1,0 +1,46 @@
+"""The Trainer's training loader, positioned where a restored loop is (a mid-epoch checkpoint, a healed replica
+group): :mod:`lightning_shard.core.sampler`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from lightning.fabric.utilities.data import _update_dataloader
+
+from lightning_shard.core.sampler import Position, ResumableDistributedSampler, make_resumable
+
+#: Lightning's warning for a mid-epoch resume of a loader without state: ours starts where the loop is.
+_UNRESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def loop_position(trainer: Any) -> Position:
+    """Where ``trainer``'s fit loop is once restored: ``(epoch, batches taken)`` while its epoch loop restarts,
+    read when the loader's first pass begins (after Lightning restored the loops), else None."""
+
+    def position() -> tuple[int, int] | None:
+        loop = trainer.fit_loop
+        if not loop.epoch_loop.restarting:
+            return None
+        # ``processed``: the batches whose step ran (a checkpoint written in ``on_train_batch_end`` counts its
+        # batch; one written during a step, or a heal at a step's quorum, does not), as the loop resumes.
+        return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+
+    return position
+
+
+class TrainingDataPosition:
+    """Mixed into the Trainer door's strategy: the training loader's plain ``DistributedSampler`` made a
+    :class:`~lightning_shard.core.sampler.ResumableDistributedSampler` that starts where the restored loop is."""
+
+    lightning_module: Any
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        dataloader = make_resumable(dataloader, loop_position(trainer), _update_dataloader)
+        if isinstance(getattr(dataloader, "sampler", None), ResumableDistributedSampler):
+            warnings.filterwarnings("ignore", message=_UNRESUMABLE)
+        return dataloader
