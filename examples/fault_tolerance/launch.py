@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         "--min-replicas", type=int, default=1, help="groups each step needs (2: no step alone)"
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps (a demo)")
+    parser.add_argument(
+        "--ft-timeout", type=float, default=20.0, help="seconds for a quorum (min_replicas groups), a heal"
+    )
     parser.add_argument("--plain", action="store_true")
     parser.add_argument(
         "--fabric", action="store_true", help="a Fabric loop (fabric_train.py), not the Trainer"
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     script = FABRIC_TRAIN if args.fabric else TRAIN
     train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
     train += ["--step-time", str(args.step_time), "--d-model", str(args.d_model)]
+    train += ["--ft-timeout", str(args.ft_timeout)]
     if args.rejoin_by_step is not None:
         train += ["--rejoin-by-step", str(args.rejoin_by_step)]
     if args.epoch_steps is not None:
@@ -100,17 +104,22 @@ def main(argv: list[str] | None = None) -> int:
             groups[g] = torchrun(
                 args.ranks, *train, *kill, env={**env, "REPLICA_GROUP_ID": str(g)}, script=script
             )
-        restarted = False
+        restarts = len(args.stage.split(","))  # the killed group dies once in each stage's fit
         while any(p.poll() is None for p in groups.values()):
             time.sleep(0.5)
             # A preempted group's torchrun ends with its own error after passing SIGTERM on: it is not restarted.
             dead = [g for g, p in groups.items() if p.poll() not in (None, 0) and g != args.term_group]
-            if dead == [args.kill_group] and not restarted:
+            if dead == [args.kill_group] and restarts:
                 print(f"launch: group {args.kill_group} died; restarting it alone", flush=True)
+                kill = ["--die-at-step", str(args.kill_at_step)]  # (in the stages after this one)
                 groups[args.kill_group] = torchrun(
-                    args.ranks, *train, env={**env, "REPLICA_GROUP_ID": str(args.kill_group)}, script=script
+                    args.ranks,
+                    *train,
+                    *kill,
+                    env={**env, "REPLICA_GROUP_ID": str(args.kill_group)},
+                    script=script,
                 )
-                restarted = True
+                restarts -= 1
             elif dead:
                 for p in groups.values():
                     p.kill()

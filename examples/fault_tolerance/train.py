@@ -37,6 +37,7 @@ class Record(L.Callback):
         self, die_at: int | None, fail_at: int | None, out: Path, name: str, groups: int, step_time: float
     ) -> None:
         self.losses: list[float] = []
+        self.rows: list[list[list[int]]] = []  # each step's rows of this rank (their first 8 tokens)
         self.changed: list[bool] = []  # whether each step changed this rank's weights
         self.times: list[float] = []  # when each step ended
         self.die_at, self.marker, self.step_time = die_at, out / f"{name}.died", step_time
@@ -68,7 +69,8 @@ class Record(L.Callback):
             # all-reduce, so that all-reduce fails here and on every other group taking part.
             trainer.strategy.replica_group.pg.abort()
 
-    def on_train_batch_start(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.rows.append(batch[0][:, :8].tolist())
         if (
             trainer.global_step == self.rejoin_at
         ):  # a demo on one busy machine: wait until a lost group is back
@@ -117,7 +119,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     # The plain job: HSDP at stages 2-3 (its replicate dimension is the groups), DDP over every rank at 0-1.
     plain = {"replicate_size": groups} if stage >= 2 else {}
-    flags: dict[str, Any] = plain if args.plain else {"fault_tolerance": {"timeout": 20}}
+    flags: dict[str, Any] = plain if args.plain else {"fault_tolerance": {"timeout": args.ft_timeout}}
     groups_waited = 0 if args.plain else groups
     record = Record(args.die_at_step, args.fail_at_step, out, name, groups_waited, args.step_time)
     record.rejoin_at, record.term_at = args.rejoin_by_step, args.term_at_step
@@ -146,15 +148,16 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(trainer.strategy.model, options=full)
-    optimizer = (  # (ZeRO-1's state is gathered by a checkpoint save, not here)
-        get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
-        if stage != 1
-        else {"state": {}}
-    )
+    if stage == 1:  # ZeRO-1: each rank's partition of the state, gathered on rank 0
+        trainer.optimizers[0].consolidate_state_dict(to=0)
+        optimizer = trainer.optimizers[0].state_dict() if trainer.global_rank == 0 else {"state": {}}
+    else:
+        optimizer = get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=full)
     replicas = trainer.strategy.replica_group  # what the replica group did (None: no fault tolerance)
     rank = trainer.global_rank
     result = {
         "losses": record.losses,
+        "rows": record.rows,
         "global_step": trainer.global_step,
         "changed": record.changed,
         "times": record.times,
@@ -183,6 +186,12 @@ def main() -> None:
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
+    parser.add_argument(
+        "--ft-timeout",
+        type=float,
+        default=20.0,
+        help="seconds for a quorum, a heal, a cross-group collective",
+    )
     parser.add_argument("--d-model", type=int, default=32, help="the demo GPT's width")
     parser.add_argument("--epoch-steps", type=int, default=None, help="steps per epoch (limit_train_batches)")
     parser.add_argument("--ckpt-every", type=int, default=0, help="a ModelCheckpoint every N steps")
@@ -190,6 +199,9 @@ def main() -> None:
     parser.add_argument("--resume-step", type=int, default=2)
     args = parser.parse_args()
     for stage in map(int, args.stage.split(",")):
+        name = "plain" if args.plain else f"group{os.environ.get('REPLICA_GROUP_ID')}"
+        if (args.out / f"stage{stage}" / f"{name}.rank{os.environ.get('RANK', '0')}.json").exists():
+            continue  # a group restarted after a failure: the stages it finished before it stay done
         fit(args, stage, args.out / f"stage{stage}")
         if args.resume:
             checkpoint = args.resume / f"stage{stage}" / "ckpt" / f"step={args.resume_step}.ckpt"

@@ -93,11 +93,13 @@ class ResumableDistributedSampler(DistributedSampler):
     def _start(self) -> tuple[int, int] | None:
         """The pass's ``(epoch, batches to skip)`` if it starts mid-epoch (its epoch then set), else None."""
         pending, self._pending = self._pending, None
-        if pending is None and self._ask_position:
+        asked, self._ask_position = self._ask_position, False  # only the first pass after set-up
+        if pending is None and asked:
             assert self.position is not None
-            self._ask_position = False  # only the first pass after set-up: later ones start their epochs
             pending = self.position()
-        if pending is None or pending[1] <= 0 or pending[1] * self.batch_size >= self.num_samples:
+            if pending is not None and pending[1] * self.batch_size >= self.num_samples:
+                return None  # a checkpoint that closed its epoch: the loop moves on to the next one itself
+        if pending is None or pending[1] <= 0:
             return None
         self.epoch = pending[0]
         return pending

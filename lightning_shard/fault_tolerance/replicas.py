@@ -126,7 +126,8 @@ class ReplicaGroups:
     ) -> None:
         """Average every gradient of ``model`` over the participating groups (at each fit): each FSDP2 shard
         after its reduce-scatter (stages 2-3), every gradient once DDP's backward has taken the group's own
-        mean of each bucket through ``within`` (stages 0-1: ``within(process_group, bucket)`` returns a future of the bucket, DDP's default hook).
+        mean of each bucket through ``within`` (stages 0-1: ``within(process_group, bucket)`` returns a future
+        of the bucket, DDP's default hook).
         ``own_state``: how an optimizer's state is read and put back where its ``state_dict`` is not this
         rank's own (a whole-matrix step's, kept by name on each matrix's owner)."""
         from torch.distributed.fsdp import FSDPModule

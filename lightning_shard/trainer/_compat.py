@@ -119,3 +119,8 @@ def resolve_last_checkpoint(resolver: Callable[[Any], str | None]) -> bool:
     setattr(_parse_ckpt_path, _LAST_ATTR, True)
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
     return True
+
+
+def injects_distributed_sampler(trainer: Any) -> bool:
+    """``Trainer(use_distributed_sampler=...)``, which Lightning keeps on its private accelerator connector."""
+    return bool(getattr(trainer._accelerator_connector, "use_distributed_sampler", True))

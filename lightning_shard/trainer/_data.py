@@ -9,6 +9,7 @@ from typing import Any
 from lightning.fabric.utilities.data import _update_dataloader
 
 from lightning_shard.core.sampler import Position, ResumableDistributedSampler, make_resumable
+from lightning_shard.trainer._compat import injects_distributed_sampler
 
 #: Lightning's warning for a mid-epoch resume of a loader without state: ours starts where the loop is.
 _UNRESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"
@@ -38,7 +39,8 @@ class TrainingDataPosition:
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training:
+        # With ``use_distributed_sampler=False`` the loader is the user's own: Lightning's behaviour, as promised.
+        if trainer is None or not trainer.training or not injects_distributed_sampler(trainer):
             return dataloader
         dataloader = make_resumable(dataloader, loop_position(trainer), _update_dataloader)
         if isinstance(getattr(dataloader, "sampler", None), ResumableDistributedSampler):
