@@ -4,7 +4,7 @@
 Each fit records the rows every rank reads at each step. A run stopped by a checkpoint written mid-epoch and
 resumed with ``fit(ckpt_path=...)`` reads, from the checkpoint's step on, exactly the rows of one uninterrupted
 run (epoch 0's rest, then epoch 1 with its own shuffle), and ends with its weights (plain SGD, so a step on
-other rows shows). Stage 0 without accumulation (checkpoint after step 5), stage 3 with
+other rows shows). Stages 0 and 2 without accumulation (checkpoint after step 5), stages 1 and 3 with
 ``accumulate_grad_batches=2`` (checkpoint after step 3: batch 6 of 16). Under Lightning's ``DDPStrategy`` the
 same resume starts the epoch again (Lightning's documented behaviour for a loader without state): the rows
 differ, side by side, which is what the sampler fixes.
@@ -29,6 +29,8 @@ pytestmark = pytest.mark.multirank
 BATCHES = 16  # per rank and epoch: 64 rows, 2 ranks, batch 2
 CASES = {  # name: (strategy, accumulate_grad_batches, the step of the mid-epoch checkpoint)
     "stage0": ("stage0", 1, 5),
+    "stage1_accumulate": ("stage1", 2, 3),
+    "stage2": ("stage2", 1, 5),
     "stage3_accumulate": ("stage3", 2, 3),
     "ddp": ("ddp", 1, 5),
 }
@@ -96,7 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_runs, str(tmp_path_factory.mktemp("data_position")))
 
 
-@pytest.mark.parametrize("name", ["stage0", "stage3_accumulate"])
+@pytest.mark.parametrize("name", ["stage0", "stage1_accumulate", "stage2", "stage3_accumulate"])
 def test_a_mid_epoch_resume_reads_the_rows_of_the_uninterrupted_run(runs, name):
     _, accumulate, every = CASES[name]
     taken = every * accumulate  # batches of epoch 0 read before the checkpoint
