@@ -40,7 +40,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "fault_tolerance"
 RANKS = 2
 STEPS, FAIL = 16, 12  # the failure run's steps, and the step whose cross-group collective breaks
 KILL, REJOIN = 2, 6  # group 1 dies at step 2; the live group waits for its restart at step 6
-WAIT_STEPS = 6  # the run in which every step needs both groups
+WAIT_STEPS, WAIT_ACCUMULATE = 6, 2  # the run in which every step needs both groups: 12 batches
 STAGES = [0, 1, 2, 3]
 
 
@@ -64,7 +64,7 @@ def _fit_as_group(root: str, lighthouse: str, ports: list[int], plain: bool, sta
         )
     args = argparse.Namespace(
         max_steps=4, die_at_step=None, fail_at_step=None, rejoin_by_step=None, term_at_step=None, step_time=0.0,
-        plain=plain, d_model=32, epoch_steps=2, ckpt_every=0 if plain else 2, ft_timeout=20.0,
+        plain=plain, d_model=32, epoch_steps=2, ckpt_every=0 if plain else 2, ft_timeout=20.0, accumulate=1,
     )  # fmt: skip
     for stage in stages:
         train.fit(args, stage, Path(root) / ("plain" if plain else "ft") / f"stage{stage}")
@@ -104,21 +104,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("fault_tolerance")
     kill = ["--kill-group", "1", "--kill-at-step", str(KILL), "--rejoin-by-step", str(REJOIN)]
-    failure = [
-        *kill,
-        "--fail-group",
-        "0",
-        "--fail-at-step",
-        str(FAIL),
-        "--step-time",
-        "0.1",
-        "--ft-timeout",
-        "60",
-    ]
+    failure = [*kill, "--fail-group", "0", "--fail-at-step", str(FAIL), "--step-time", "0.1"]
+    failure += ["--ft-timeout", "60"]
     command = [sys.executable, str(EXAMPLE / "launch.py"), "--groups", "2", "--ranks", str(RANKS)]
     # Every step of ``waits`` needs both groups (min_replicas=2): the live group waits in its quorum for the
     # restart, so the run is one plain job's, step for step; that plain job (4 ranks, HSDP) beside it.
     waits = [*command, "--out", str(root / "waits"), "--max-steps", str(WAIT_STEPS), "--stage", "3"]
+    waits += ["--accumulate", str(WAIT_ACCUMULATE)]
     plain = [*waits, "--plain"]
     waits += ["--kill-group", "1", "--kill-at-step", str(KILL), "--min-replicas", "2", "--ft-timeout", "120"]
     command += ["--out", str(root / "failure"), "--max-steps", str(STEPS), "--stage", "0,1,2,3", *failure]
@@ -231,21 +223,26 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
 
 def test_a_group_killed_while_the_other_waits_for_it_ends_as_one_plain_job(runs):
     """min_replicas=2: no step runs without both groups, so after group 1's death and heal the run is the plain
-    job's, step for step: the same rows on every rank and the same final weights (stage 3, AdamW)."""
+    job's, step for step: the same rows on every rank and the same final weights (stage 3, AdamW). With
+    ``accumulate_grad_batches=2``: group 1 dies at its step's first micro-batch, group 0 waits at that step's
+    quorum on its second, and the healed group starts again at the first (a heal at the second would average
+    one micro-batch's gradient with the live group's two, and the weights would differ)."""
     folder = runs / "waits" / "stage3"
     plain_ranks, plain = _plain(folder)
+    batches = WAIT_STEPS * WAIT_ACCUMULATE
     for group in range(2):
         ranks, saved = _records(folder, f"group{group}")
         for rank, record in enumerate(ranks):
-            taken = len(record["losses"])
-            assert record["participants"] == [2] * taken and record["global_step"] == WAIT_STEPS, record
+            taken = len(record["losses"])  # batches
+            assert record["global_step"] == WAIT_STEPS, record
+            assert record["participants"] == [2] * (taken // WAIT_ACCUMULATE), record
             # (either group may be healed at step 0: torchft's first quorum syncs the groups' initial weights)
-            assert (group == 0) == (taken == WAIT_STEPS) and (group == 0 or record["heals"]), record
+            assert (group == 0) == (taken == batches) and (group == 0 or record["heals"]), record
+            assert group == 0 or taken == batches - KILL * WAIT_ACCUMULATE, record  # from the window's start
             reference = plain_ranks[group * RANKS + rank]
-            assert record["rows"] == reference["rows"][WAIT_STEPS - taken :], f"group {group}, rank {rank}"
-            torch.testing.assert_close(
-                record["losses"], reference["losses"][WAIT_STEPS - taken :], rtol=1e-5, atol=0
-            )
+            assert record["rows"] == reference["rows"][batches - taken :], f"group {group}, rank {rank}"
+            losses = reference["losses"][batches - taken :]
+            torch.testing.assert_close(record["losses"], losses, rtol=1e-5, atol=0)
         for key, weight in plain["weights"].items():
             torch.testing.assert_close(saved["weights"][key], weight, rtol=1e-5, atol=1e-7, msg=key)
 

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ft-timeout", type=float, default=20.0, help="seconds for a quorum (min_replicas groups), a heal"
     )
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches of each group")
     parser.add_argument(
         "--fabric", action="store_true", help="a Fabric loop (fabric_train.py), not the Trainer"
     )
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     script = FABRIC_TRAIN if args.fabric else TRAIN
     train = ["--stage", args.stage, "--max-steps", str(args.max_steps), "--out", str(args.out)]
     train += ["--step-time", str(args.step_time), "--d-model", str(args.d_model)]
-    train += ["--ft-timeout", str(args.ft_timeout)]
+    train += ["--ft-timeout", str(args.ft_timeout), "--accumulate", str(args.accumulate)]
     if args.rejoin_by_step is not None:
         train += ["--rejoin-by-step", str(args.rejoin_by_step)]
     if args.epoch_steps is not None:

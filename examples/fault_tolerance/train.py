@@ -138,6 +138,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_train_batches=args.epoch_steps,
+        accumulate_grad_batches=args.accumulate,
         callbacks=callbacks,
     )
     try:
@@ -186,6 +187,7 @@ def main() -> None:
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     parser.add_argument("--plain", action="store_true", help="one HSDP job instead of replica groups")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument(
         "--ft-timeout",
         type=float,

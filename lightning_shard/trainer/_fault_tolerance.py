@@ -46,6 +46,7 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
         connector.restore_callbacks()
         restore()
         connector._loaded_checkpoint = {}
+        to_window_start(trainer)
         set_rng_state(state["rng"])
 
     replicas = join_replica_groups(strategy, strategy.model, strategy.optimizers, "ShardStrategy")
@@ -58,6 +59,20 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
 
     connector.restore_training_state = restore_then_join  # type: ignore[method-assign]
     return replicas
+
+
+def to_window_start(trainer: L.Trainer) -> None:
+    """A healed group's loop moved back to the first micro-batch of the live groups' step.
+
+    The quorum, and so the heal, is joined at the optimizer step, on a window's last micro-batch: the live
+    groups hold the window's earlier micro-batches as local gradients, which a heal does not send. Started at
+    the window's first batch, the healed group computes them again (with the same weights: they change only at
+    a step) and its first step is the one the live groups take; the quorum it joined serves that step."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    back = progress.current.processed % trainer.accumulate_grad_batches
+    for tracker in (progress.current, progress.total) if back else ():
+        for field in ("ready", "started", "processed", "completed"):
+            setattr(tracker, field, max(getattr(tracker, field) - back, 0))
 
 
 def step(
