@@ -69,7 +69,7 @@ def to_window_start(trainer: L.Trainer) -> None:
     the window's first batch, the healed group computes them again (with the same weights: they change only at
     a step) and its first step is the one the live groups take; the quorum it joined serves that step."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
-    back = progress.current.processed % trainer.accumulate_grad_batches
+    back = progress.current.processed % trainer.accumulate_grad_batches  # type: ignore[attr-defined]
     for tracker in (progress.current, progress.total) if back else ():
         for field in ("ready", "started", "processed", "completed"):
             setattr(tracker, field, max(getattr(tracker, field) - back, 0))
