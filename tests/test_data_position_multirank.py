@@ -7,7 +7,8 @@ run (epoch 0's rest, then epoch 1 with its own shuffle), and ends with its weigh
 other rows shows). Stages 0 and 2 without accumulation (checkpoint after step 5), stages 1 and 3 with
 ``accumulate_grad_batches=2`` (checkpoint after step 3: batch 6 of 16). Under Lightning's ``DDPStrategy`` the
 same resume starts the epoch again (Lightning's documented behaviour for a loader without state): the rows
-differ, side by side, which is what the sampler fixes.
+differ, side by side, which is what the sampler fixes. A ``StatefulDataLoader`` (torchdata) is left as Lightning
+made it and restored by Lightning from its own state: its resume reads what it reads under ``DDPStrategy``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_shard.core.sampler import ResumableDistributedSampler
 from lightning_shard.demos.ranks import run_ranks
 from tests.helpers import full_weights, tiny_gpt, token_dataset, trainer_kwargs
 
@@ -33,6 +35,9 @@ CASES = {  # name: (strategy, accumulate_grad_batches, the step of the mid-epoch
     "stage2": ("stage2", 1, 5),
     "stage3_accumulate": ("stage3", 2, 3),
     "ddp": ("ddp", 1, 5),
+    # torchdata's StatefulDataLoader: left to Lightning, which restores it from its own state, as under DDPStrategy
+    "stateful": ("stage3", 1, 5),
+    "stateful_ddp": ("ddp", 1, 5),
 }
 
 
@@ -77,8 +82,16 @@ def _fit(name: str, root: Path, steps: int, resume: Path | None = None) -> tuple
             enable_checkpointing=resume is None,
         ),
     )
-    data = DataLoader(token_dataset(64), batch_size=2, shuffle=True)
+    loader_class = DataLoader
+    if name.startswith("stateful"):
+        from torchdata.stateful_dataloader import StatefulDataLoader as loader_class
+    data = loader_class(token_dataset(64), batch_size=2, shuffle=True)
     trainer.fit(_module(), data, ckpt_path=resume)
+    sampler = trainer.train_dataloader.sampler
+    # ours where Lightning injected a plain DistributedSampler; the stateful loader's left as Lightning made it
+    assert isinstance(sampler, ResumableDistributedSampler) == (
+        strategy != "ddp" and loader_class is DataLoader
+    )
     return rows.rows, full_weights(trainer)
 
 
@@ -125,3 +138,13 @@ def test_lightnings_ddp_strategy_starts_the_epoch_again_on_the_same_resume(runs)
         rows, _ = result["ddp"]["resumed"]
         assert rows[: BATCHES - 5] == whole_rows[: BATCHES - 5]  # epoch 0 read again from its first batch
         assert rows != whole_rows[5:]
+
+
+def test_a_stateful_loader_is_left_to_lightning_and_resumes_as_under_ddp_strategy(runs):
+    """No second skip on top of the loader's own: the resumed rows and weights are DDPStrategy's."""
+    for result in runs:
+        rows, weights = result["stateful"]["resumed"]
+        ddp_rows, ddp_weights = result["stateful_ddp"]["resumed"]
+        assert rows == ddp_rows
+        for key, value in ddp_weights.items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)

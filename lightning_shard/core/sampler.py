@@ -107,9 +107,13 @@ class ResumableDistributedSampler(DistributedSampler):
 
 def positionable(dataloader: object) -> DistributedSampler | None:
     """``dataloader``'s sampler if its position can be set: a plain ``DistributedSampler`` (or one of ours)
-    under a standard ``BatchSampler``; else None."""
+    under a standard ``BatchSampler`` of a loader without state of its own; else None."""
     if not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
         return None
+    if callable(getattr(dataloader, "state_dict", None)) and callable(
+        getattr(dataloader, "load_state_dict", None)
+    ):
+        return None  # a stateful loader (torchdata's StatefulDataLoader): Lightning restores its own position
     sampler = dataloader.sampler
     if type(dataloader.batch_sampler) is not BatchSampler:
         return None
