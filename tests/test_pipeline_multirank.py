@@ -2,11 +2,14 @@
 
 Plain SGD (every update is lr x gradient, so a wrong gradient scale shows) and AdamW, 3 optimizer steps of
 accumulation 2 with clipping on: the clip sees the global norm over both stages' parameters, and the
-schedule's microbatch losses carry the 1 / (microbatches x accumulation) scale.
+schedule's microbatch losses carry the 1 / (microbatches x accumulation) scale. The ZeRO-1 runs also step a
+cosine learning-rate schedule over exactly those 3 steps (lr x 1, 0.75, 0.25), so a run whose scheduler does
+not reach the optimizer that steps ends far from one process's weights.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -26,22 +29,31 @@ from tests.test_parity_multirank import CLIP, SGD_LR
 pytestmark = pytest.mark.multirank
 
 BATCH = 8  # per optimizer step and accumulation step, over all data-parallel ranks
+STEPS = 3  # optimizer steps per fit; a scheduled fit's cosine reaches 0 after the last
 # AdamW divides each update by the gradient's running RMS, which turns float rounding in near-zero
 # gradients into differences of up to ~1e-5 in the weights after 3 steps; SGD's are ~1e-8.
 WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-4}
 
 
 class PipeGPT(GPTModule):
-    """The tiny GPT (untied unless ``tie_embeddings=True`` is passed) with SGD or AdamW and evaluation losses."""
+    """The tiny GPT (untied unless ``tie_embeddings=True`` is passed) with SGD or AdamW and evaluation losses.
 
-    def __init__(self, optimizer: str = "adamw", **kwargs: Any) -> None:
+    AdamW is the demo's (two param groups, a cosine schedule of ``T_max=max_steps``); SGD takes the same
+    schedule when ``schedule`` is set."""
+
+    def __init__(self, optimizer: str = "adamw", schedule: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.optimizer_name = optimizer
+        self.schedule = schedule
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=SGD_LR)
-        return super().configure_optimizers()
+        if self.optimizer_name != "sgd":
+            return super().configure_optimizers()
+        optimizer = torch.optim.SGD(self.parameters(), lr=SGD_LR)
+        if not self.schedule:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.hparams.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -55,10 +67,12 @@ class PipeGPT(GPTModule):
         return self(batch[0])
 
 
-def _model(optimizer: str, n_layers: int, tied: bool = False) -> PipeGPT:
+def _model(optimizer: str, n_layers: int, tied: bool = False, schedule: bool = False) -> PipeGPT:
+    """``schedule``: the cosine's ``T_max`` is the steps the fit runs (the helpers' 50 moves the rate 0.35%)."""
     reference = tiny_gpt(tie_embeddings=tied, n_layers=n_layers)  # the helpers' sizes and seed
+    hparams = dict(reference.hparams) | ({"max_steps": STEPS} if schedule else {})
     torch.manual_seed(0)
-    return PipeGPT(optimizer, **dict(reference.hparams))
+    return PipeGPT(optimizer, schedule, **hparams)
 
 
 def _loader(world: int, pp: int, batch: int, tp: int = 1) -> DataLoader:
@@ -80,6 +94,7 @@ def _fit(
     n_layers: int = 2,
     tied: bool = False,
     accumulate: int = 2,
+    schedule: bool = False,
     **flags: Any,
 ) -> dict[str, Any]:
     recorder = LossRecorder()
@@ -89,13 +104,13 @@ def _fit(
         strategy=ShardStrategy(**flags) if world > 1 else "auto",
         callbacks=[recorder],
         **trainer_kwargs(
-            max_steps=3,
+            max_steps=STEPS,
             accumulate_grad_batches=accumulate,
             gradient_clip_val=CLIP,
             gradient_clip_algorithm="norm",
         ),
     )
-    model = _model(optimizer, n_layers, tied)
+    model = _model(optimizer, n_layers, tied, schedule)
     tp = flags.get("tensor_parallel_size", 1)
     dp = world // (pp * tp)
     trainer.fit(model, _loader(world, pp, BATCH // dp, tp))
@@ -112,6 +127,14 @@ def _fit(
     return out
 
 
+@functools.cache
+def _reference(optimizer: str, n_layers: int, tied: bool, accumulate: int, schedule: bool) -> dict[str, Any]:
+    """One process's fit, once per configuration: every rank of every case compares with the same run."""
+    return _fit(
+        optimizer, validate=True, n_layers=n_layers, tied=tied, accumulate=accumulate, schedule=schedule
+    )
+
+
 def _check(
     result: dict[str, Any],
     optimizer: str,
@@ -119,9 +142,10 @@ def _check(
     n_layers: int = 2,
     tied: bool = False,
     accumulate: int = 2,
+    schedule: bool = False,
 ) -> None:
-    expected = _fit(optimizer, validate=True, n_layers=n_layers, tied=tied, accumulate=accumulate)
-    assert len(result["losses"]) == 3 * accumulate
+    expected = _reference(optimizer, n_layers, tied, accumulate, schedule)
+    assert len(result["losses"]) == STEPS * accumulate
     torch.testing.assert_close(
         result["losses"], expected["losses"], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
     )
@@ -218,68 +242,93 @@ def test_two_stages_by_two_data_parallel_ranks_follow_one_process(flags):
         _check({**rank, "weights": merged}, "sgd", f"pp2 x dp2, {flags}", n_layers=flags.get("n_layers", 2))
 
 
-# ZeRO-1 with one optimizer step per batch: the demo GPT as users run it (its head tied to the embedding, its
-# own AdamW of two param groups and cosine schedule), and plain SGD; clipping on. The stand-ins ZeRO-1 steps
-# for the stages' DTensor parameters once kept the gradient of an earlier batch (or none) whenever a
-# backward replaced the parameters' gradients, so without accumulation stage 1 trained differently.
-ZERO1_NO_ACCUMULATION = {
+# ZeRO-1 and, beside it, stage 0 in the same job: the demo GPT as users run it (its head tied to the embedding,
+# its own AdamW of two param groups) and plain SGD, each under a cosine schedule over the run's steps; clipping
+# on. The stand-ins ZeRO-1 steps for the stages' DTensor parameters once kept the gradient of an earlier batch
+# (or none) whenever a backward replaced the parameters' gradients, so without accumulation stage 1 trained
+# differently. Each rank's stage-1 run is held to its stage-0 run (the same rows of data through the same
+# parameters) first, tighter than to one process: ZeRO-1 partitions only the optimizer's state, and each
+# parameter's update is the same arithmetic on the same reduced gradient (the numbers come out equal bit for bit
+# on this machine; the tolerance leaves room for another order of reduction, not for another scale).
+ZERO1 = {
     f"{optimizer}, stage {stage}": dict(optimizer=optimizer, stage=stage)
     for optimizer in ("sgd", "adamw")
     for stage in (1, 0)
 }
 
 
-def _zero1_no_accumulation() -> dict[str, dict[str, Any]]:
-    world = int(os.environ["WORLD_SIZE"])
+def _zero1_stages(world: int, accumulate: int, tied: bool) -> dict[str, dict[str, Any]]:
     return {
         name: _fit(
             case["optimizer"],
             world,
-            tied=True,
-            accumulate=1,
+            tied=tied,
+            accumulate=accumulate,
+            schedule=True,
             stage=case["stage"],
             pipeline_parallel_size=2,
             microbatches=2,
         )
-        for name, case in ZERO1_NO_ACCUMULATION.items()
+        for name, case in ZERO1.items()
     }
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["one data-parallel rank per stage", "pp2 x dp2"])
-def test_zero1_without_accumulation_follows_stage_0_and_one_process(world):
-    ranks = run_ranks(_zero1_no_accumulation, world_size=world)
-    last = world // 2  # the first rank of the second stage
-    for name, case in ZERO1_NO_ACCUMULATION.items():
+def _check_zero1(ranks: list[dict[str, Any]], accumulate: int, tied: bool, what: str) -> None:
+    last = len(ranks) // 2  # the first rank of the second stage
+    for name, case in ZERO1.items():
+        if case["stage"] == 1:
+            stage0 = name.replace("stage 1", "stage 0")
+            for i, rank in enumerate(ranks):
+                _check_against_stage_0(rank[name], rank[stage0], f"{what}, rank {i}, {name} against {stage0}")
         merged = {**ranks[0][name]["weights"], **ranks[last][name]["weights"]}
         for rank in ranks:
             _check(
                 {**rank[name], "weights": merged},
                 case["optimizer"],
-                f"pp2 x dp{world // 2}, {name}, no accumulation",
-                tied=True,
-                accumulate=1,
+                f"{what}, {name}",
+                tied=tied,
+                accumulate=accumulate,
+                schedule=True,
             )
-        if case["stage"] == 1:  # the same numbers as stage 0's run, not only close to one process's
-            stage0 = ranks[0][name.replace("stage 1", "stage 0")]
-            torch.testing.assert_close(ranks[0][name]["losses"], stage0["losses"], rtol=1e-6, atol=0)
+
+
+def _check_against_stage_0(result: dict[str, Any], stage0: dict[str, Any], label: str) -> None:
+    """One rank's ZeRO-1 run against its stage-0 run: its losses and its own stage's weights."""
+    torch.testing.assert_close(
+        result["losses"], stage0["losses"], rtol=1e-6, atol=0, msg=lambda m: f"{label}: {m}"
+    )
+    assert sorted(result["weights"]) == sorted(stage0["weights"]), label
+    for key, value in stage0["weights"].items():
+        torch.testing.assert_close(
+            result["weights"][key],
+            value,
+            rtol=1e-6,
+            atol=1e-7,
+            msg=lambda m, key=key: f"{label} {key}: {m}",
+        )
+
+
+def _zero1_no_accumulation() -> dict[str, dict[str, Any]]:
+    return _zero1_stages(int(os.environ["WORLD_SIZE"]), accumulate=1, tied=True)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["one data-parallel rank per stage", "pp2 x dp2"])
+def test_zero1_without_accumulation_follows_stage_0_and_one_process(world):
+    ranks = run_ranks(_zero1_no_accumulation, world_size=world)
+    _check_zero1(ranks, accumulate=1, tied=True, what=f"pp2 x dp{world // 2}, no accumulation")
 
 
 def _pp2_dp2_zero1() -> dict[str, Any]:
-    return {
-        optimizer: _fit(optimizer, 4, False, stage=1, pipeline_parallel_size=2, microbatches=2)
-        for optimizer in ("sgd", "adamw")
-    }
+    return _zero1_stages(4, accumulate=2, tied=False)
 
 
 def test_zero1_in_two_stages_by_two_data_parallel_ranks_follows_one_process():
     ranks = run_ranks(_pp2_dp2_zero1, world_size=4)
-    for optimizer in ("sgd", "adamw"):
-        merged = {**ranks[0][optimizer]["weights"], **ranks[2][optimizer]["weights"]}
-        for rank in ranks:
-            _check({**rank[optimizer], "weights": merged}, optimizer, f"pp2 x dp2, stage 1, {optimizer}")
+    _check_zero1(ranks, accumulate=2, tied=False, what="pp2 x dp2, accumulation 2")
     # ZeRO-1 acted: each data-parallel rank of a stage keeps AdamW's state for its own part of the stage
     for first, second in ((0, 1), (2, 3)):
-        (held_a, total), (held_b, _) = ranks[first]["adamw"]["state_of"], ranks[second]["adamw"]["state_of"]
+        held_a, total = ranks[first]["adamw, stage 1"]["state_of"]
+        held_b, _ = ranks[second]["adamw, stage 1"]["state_of"]
         assert 0 < held_a < total and 0 < held_b < total and held_a + held_b == total
 
 

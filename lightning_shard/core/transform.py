@@ -17,8 +17,9 @@ here, not one per door. Read top to bottom, as torchtitan's ``parallelize`` func
    float8 layers, compile sees the casts and the split, sharding wraps what compile made), with expert
    parallelism right after tensor parallelism (each rank keeps its own experts);
 4. the engine's one data-parallel wrap: FSDP2 (or FSDP2's ``replicate()``, DDP, ZeRO-1's optimizer at stages
-   0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine allocates and hands
-   the module to ``deepspeed.initialize`` with its optimizer;
+   0-1) and the allocation of parameters built on the meta device; the DeepSpeed engine allocates here and
+   hands the module to ``deepspeed.initialize`` with its optimizer after ``prepare`` returns (when the door sets
+   up the optimizer: after step 6, so DeepSpeed copies the loaded weights into its fp32 partitions);
 5. the pipeline stage runner, over the set-up stage (with the groups that sum a tied parameter's gradient
    between the stages holding a copy);
 6. ``init_weights``: the full weights read into the shards, each rank its own slices; a tied parameter's
