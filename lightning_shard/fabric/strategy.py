@@ -4,9 +4,8 @@
 same :class:`~lightning_shard.ShardConfig`; its processes and collectives are the core's
 :class:`~lightning_shard.core.ProcessGroups`, beside Fabric's own ``ParallelStrategy``. ``fabric.setup`` runs
 :func:`~lightning_shard.core.prepare`, and every call after it (backward, step, clipping, accumulation, the
-pipeline and context-parallel calls, checkpoints) forwards to the run's :class:`~lightning_shard.core.Session`.
-Checkpoints are the Trainer strategy's format (:mod:`._checkpoint`): written by either front door, read by both.
-"""
+pipeline and context-parallel calls, checkpoints) forwards to the run's :class:`~lightning_shard.core.Session`;
+checkpoints are the Trainer strategy's format (:mod:`._checkpoint`), written by either door, read by both."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
 from lightning_shard.core.transform import LossFn
 from lightning_shard.engines import Engine, TrainSettings, engine_class
-from lightning_shard.fabric import _checkpoint, _fault_tolerance
+from lightning_shard.fabric import _checkpoint, _data, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
-from lightning_shard.fabric._data import DataPosition
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
 from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
 from lightning_shard.fabric._setup import (
@@ -47,7 +45,7 @@ from lightning_shard.fabric._setup import (
 from lightning_shard.flags import args_doc, bind, takes_flags
 
 
-class ShardFabricStrategy(DataPosition, ProcessGroups, ParallelStrategy, _Sharded):
+class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     """ZeRO stages 0-3 for a Lightning Fabric loop, over the engines :class:`~lightning_shard.ShardStrategy` uses.
 
     Takes ShardStrategy's arguments (``stage``, ``engine``, ``offload_*``, ``activation_checkpointing``,
@@ -61,6 +59,8 @@ class ShardFabricStrategy(DataPosition, ProcessGroups, ParallelStrategy, _Sharde
     """
 
     launcher_class = FabricLauncher
+    process_dataloader = _data.position_loader  # (fabric/_data.py: resume_dataloader positions it)
+    resume_dataloader = _data.resume_dataloader
 
     @takes_flags
     def __init__(self, *args: Any, **kwargs: Any) -> None:

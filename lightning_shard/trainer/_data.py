@@ -30,19 +30,16 @@ def loop_position(trainer: Any) -> Position:
     return position
 
 
-class TrainingDataPosition:
-    """Mixed into the Trainer door's strategy: the training loader's plain ``DistributedSampler`` made a
-    :class:`~lightning_shard.core.sampler.ResumableDistributedSampler` that starts where the restored loop is."""
-
-    lightning_module: Any
-
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        # With ``use_distributed_sampler=False`` the loader is the user's own: Lightning's behaviour, as promised.
-        if trainer is None or not trainer.training or not injects_distributed_sampler(trainer):
-            return dataloader
-        dataloader = make_resumable(dataloader, loop_position(trainer), _update_dataloader)
-        if isinstance(getattr(dataloader, "sampler", None), ResumableDistributedSampler):
-            warnings.filterwarnings("ignore", message=_UNRESUMABLE)
+def position_loader(strategy: Any, dataloader: object) -> object:
+    """``ShardStrategy.process_dataloader``: the training loader's plain ``DistributedSampler`` (the one Lightning
+    injected) made a :class:`~lightning_shard.core.sampler.ResumableDistributedSampler` that starts where the
+    restored loop is; every other loader as Lightning made it."""
+    module = strategy.lightning_module
+    trainer = module.trainer if module is not None else None
+    # With ``use_distributed_sampler=False`` the loader is the user's own: Lightning's behaviour, as promised.
+    if trainer is None or not trainer.training or not injects_distributed_sampler(trainer):
         return dataloader
+    dataloader = make_resumable(dataloader, loop_position(trainer), _update_dataloader)
+    if isinstance(getattr(dataloader, "sampler", None), ResumableDistributedSampler):
+        warnings.filterwarnings("ignore", message=_UNRESUMABLE)
+    return dataloader

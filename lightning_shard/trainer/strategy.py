@@ -43,7 +43,7 @@ from lightning_shard.trainer import _contexts as init_contexts
 from lightning_shard.trainer import _fault_tolerance as fault_tolerance
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
 from lightning_shard.trainer._checkpoint import interrupted, last_on_object_stores, with_module_state
-from lightning_shard.trainer._data import TrainingDataPosition
+from lightning_shard.trainer._data import position_loader
 from lightning_shard.trainer._pipeline import check_contract, predict_inputs, split_batch
 from lightning_shard.trainer._preemption import Preemption
 from lightning_shard.trainer._processes import TrainerLauncher
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 trainer_compat.record_weights_only()  # fit(ckpt_path=..., weights_only=...) reaches load_checkpoint
 
 
-class ShardStrategy(TrainingDataPosition, ProcessGroups, ParallelStrategy):
+class ShardStrategy(ProcessGroups, ParallelStrategy):
     """Train any LightningModule with ZeRO-style sharding, chosen by flag.
 
     What each stage shards, and the bytes per rank, are in the ZeRO table of docs/strategy.md ("Memory per
@@ -68,6 +68,7 @@ class ShardStrategy(TrainingDataPosition, ProcessGroups, ParallelStrategy):
     strategy_name = "shard"
     ends_together = (SIGTERMException,)  # raised on every rank after the same step (preemption)
     launcher_class = TrainerLauncher
+    process_dataloader = position_loader  # the training loader read on where a restored loop is
 
     @takes_flags
     def __init__(self, *args: Any, **kwargs: Any) -> None:
