@@ -4,7 +4,8 @@ the ranks, side by side with Lightning's ``DDPStrategy`` on the same ranks and d
 Each rank holds ``E/ep`` experts as plain ``[E/ep, ...]`` blocks that DeepSpeed reduces over the ranks holding
 the same block only (its MoE parameter groups); the tokens reach them by all-to-all. Clipping is on and the
 router's auxiliary loss is in the loss (``MoELM``), SGD with lr 0.5: a wrong expert-gradient scale, an expert
-block averaged with another rank's, or an expert counted twice in the clip norm moves the losses far off.
+block averaged with another rank's, or an expert counted twice in the clip norm moves the weights far off (the
+losses of 3 steps hardly: each rank's weights are compared, its expert blocks with the whole experts' rows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.expert_parallel import expert_shards
 from tests.helpers import LossRecorder, loader, trainer_kwargs
-from tests.test_expert_parallel_multirank import CLIP, DEMO, EXPERTS, STEPS, MoELM, fit_moe
+from tests.test_expert_parallel_multirank import CLIP, DEMO, EXPERTS, STEPS, MoELM, SaveAt, fit_moe
 
 pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
 
@@ -41,8 +42,21 @@ def _weights(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     return {k: (v.detach().float().clone(), first.get(k, 0)) for k, v in module.state_dict().items()}
 
 
-def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int) -> dict[str, Any]:
-    trainer, module, losses = fit_moe(strategy, world, family, optimizer, accumulate)
+def _adamw_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """This rank's AdamW moments: ZeRO-1/2 step one flat fp32 partition per param group (the expert blocks'
+    groups among them), each with its ``exp_avg`` and ``exp_avg_sq``."""
+    zero = trainer.strategy.optimizers[0]
+    return {
+        f"group {i}: {key}": zero.optimizer.state[flat][key].detach().clone()
+        for i, flat in enumerate(zero.single_partition_of_fp32_groups)
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def _fit(
+    strategy: Any, world: int, family: str, optimizer: str, accumulate: int, **kwargs: Any
+) -> dict[str, Any]:
+    trainer, module, losses = fit_moe(strategy, world, family, optimizer, accumulate, **kwargs)
     received = {name: s.received.sum(dim=1).tolist() for name, s in expert_shards(module).items()}
     return {
         "losses": losses,
@@ -54,10 +68,27 @@ def _fit(strategy: Any, world: int, family: str, optimizer: str, accumulate: int
     }
 
 
+def _assert_weights(
+    mine: dict[str, tuple[torch.Tensor, int]],
+    reference: dict[str, tuple[torch.Tensor, int]],
+    atol: float,
+    where: str,
+) -> None:
+    """This rank's weights equal the reference's (whole under DDP: narrowed to this rank's expert blocks)."""
+    assert mine.keys() == reference.keys(), where
+    for key, (weight, _) in reference.items():
+        held, first = mine[key]
+        expected = weight.narrow(0, first, held.shape[0]) if held.shape != weight.shape else weight
+        torch.testing.assert_close(
+            held, expected, rtol=1e-5, atol=atol, msg=lambda m, k=key, w=where: f"{w}: {k}: {m}"
+        )
+
+
 Case = tuple[str, str, int, int]  # (family, optimizer, accumulate, ZeRO stage)
 TWO_RANKS: list[Case] = [("mixtral", "sgd", 1, 2), ("qwen3_moe", "adamw", 2, 2)]
 # Each expert block held by 2 ranks: reduced over them only, its ZeRO partitions split between them.
 FOUR_RANKS: list[Case] = [("mixtral", "sgd", 2, 2), ("qwen3_moe", "sgd", 1, 1)]
+RESUMED_TO = STEPS + 2  # the steps of the uninterrupted run, 2 of them after the resumed run loads
 
 
 def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
@@ -79,21 +110,25 @@ def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
     if world > 2:
         return out
     out["demo"] = _demo(root, world)
-    # A ZeRO-2 checkpoint: resumed on the same layout, its full weights read back, another layout refused.
+    out.update(_resume(root, world))
+    return out
+
+
+def _resume(root: str, world: int) -> dict[str, Any]:
+    """A ZeRO-2 checkpoint written after ``STEPS`` steps of a run that goes on to ``RESUMED_TO``: resumed on the
+    same layout for the remaining steps, and refused on another layout."""
     path = f"{root}/ds_ep.ckpt"
-    first = _fit(
-        ShardStrategy(engine="deepspeed", stage=2, expert_parallel_size=2), world, "mixtral", "adamw", 1
-    )
-    first["trainer"].save_checkpoint(path)
-    resumed = L.Trainer(
-        devices=world,
-        strategy=ShardStrategy(engine="deepspeed", stage=2, expert_parallel_size=2),
-        **trainer_kwargs(max_steps=STEPS),  # the checkpoint's step: resumes, then stops at once
-    )
-    module = MoELM("mixtral", "adamw")
-    resumed.fit(module, loader(2), ckpt_path=path)
-    out["saved"] = first["weights"]
-    out["resumed"] = _weights(module)
+
+    def fit(**kwargs: Any) -> dict[str, Any]:
+        strategy = ShardStrategy(engine="deepspeed", stage=2, expert_parallel_size=2)
+        # An epoch of STEPS steps: the checkpoint sits at its end, and the resumed run reads the rows the
+        # uninterrupted one reads next.
+        run = _fit(strategy, world, "mixtral", "adamw", 1, steps=RESUMED_TO, rows=2 * world * STEPS, **kwargs)
+        return {"losses": run["losses"], "weights": run["weights"], "adamw": _adamw_state(run["trainer"])}
+
+    save = SaveAt(STEPS, path, snapshot=_weights)
+    out = {"uninterrupted": fit(callbacks=(save,)), "saved": save.saved}
+    out["resumed"] = fit(ckpt_path=path)
     try:
         other = L.Trainer(
             devices=world,
@@ -107,30 +142,34 @@ def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
     return out
 
 
-def _demo(root: str, world: int) -> dict[str, list[float]]:
+def _demo(root: str, world: int) -> dict[str, Any]:
     """The example GPT's MoE variant built on the meta device and read from a weights file (each rank its own
-    experts' rows) under DeepSpeed ZeRO-2, against the whole model under DDP."""
+    experts' rows) under DeepSpeed ZeRO-2, against the whole model under DDP: with its own AdamW and cosine
+    schedule, and with plain SGD (AdamW divides a gradient's scale out of its step; SGD keeps it in the weights)."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_shard.demos.gpt import GPTModule
 
-    path, losses = f"{root}/init.pt", {}
+    path, runs = f"{root}/init.pt", {}
     flags = dict(engine="deepspeed", stage=2, expert_parallel_size=2, init_weights=path)
-    for name, strategy in {"ds": ShardStrategy(**flags), "ddp": DDPStrategy()}.items():
-        recorder = LossRecorder()
-        trainer = L.Trainer(
-            devices=world,
-            strategy=strategy,
-            callbacks=[recorder],
-            **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP),
-        )
-        with trainer.init_module(empty_init=name == "ds"):
-            module = GPTModule(**DEMO)
-        if name == "ddp":
-            module.load_state_dict(torch.load(path))
-        trainer.fit(module, loader(2))
-        losses[name] = recorder.losses
-    return losses
+    for optimizer in ("adamw", "sgd"):
+        for name, strategy in {"ds": ShardStrategy(**flags), "ddp": DDPStrategy()}.items():
+            recorder = LossRecorder()
+            trainer = L.Trainer(
+                devices=world,
+                strategy=strategy,
+                callbacks=[recorder],
+                **trainer_kwargs(max_steps=STEPS, gradient_clip_val=CLIP),
+            )
+            with trainer.init_module(empty_init=name == "ds"):
+                module = GPTModule(**DEMO)
+            if optimizer == "sgd":
+                module.configure_optimizers = lambda m=module: torch.optim.SGD(m.parameters(), lr=0.5)  # type: ignore[method-assign]
+            if name == "ddp":
+                module.load_state_dict(torch.load(path))
+            trainer.fit(module, loader(2))
+            runs[f"{optimizer} {name}"] = {"losses": recorder.losses, "weights": _weights(module)}
+    return runs
 
 
 def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
@@ -139,13 +178,7 @@ def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
             where = f"{family}, {optimizer}, accumulate {accumulate}, ZeRO-{stage}, rank {rank}"
             reference = run["ddp"]
             torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0, msg=where)
-            atol = 1e-6 if optimizer == "sgd" else 1e-4
-            for key, (weight, _) in reference["weights"].items():
-                mine, first = run["weights"][key]
-                expected = weight.narrow(0, first, mine.shape[0]) if mine.shape != weight.shape else weight
-                torch.testing.assert_close(
-                    mine, expected, rtol=1e-5, atol=atol, msg=lambda m, k=key, w=where: f"{w}: {k}: {m}"
-                )
+            _assert_weights(run["weights"], reference["weights"], 1e-6 if optimizer == "sgd" else 1e-4, where)
             # Each rank holds E/2 experts of each expert weight; DDP holds them all.
             assert run["held"] and {s[0] for s in run["held"].values()} == {EXPERTS // 2}, where
             assert {s[0] for s in reference["held"].values()} == {EXPERTS}, where
@@ -161,10 +194,24 @@ def test_deepspeed_zero2_with_expert_parallelism_matches_ddp_and_resumes(tmp_pat
     torch.save(GPTModule(**DEMO).state_dict(), tmp_path / "init.pt")
     ranks = run_ranks(_side_by_side, str(tmp_path), TWO_RANKS)
     _check(ranks, TWO_RANKS)
-    for result in ranks:
-        torch.testing.assert_close(result["demo"]["ds"], result["demo"]["ddp"], rtol=1e-5, atol=0)
-        for key, (value, _) in result["saved"].items():
-            torch.testing.assert_close(result["resumed"][key][0], value, rtol=0, atol=0, msg=key)
+    for rank, result in enumerate(ranks):
+        demo = result["demo"]
+        for optimizer, atol in (("adamw", 1e-4), ("sgd", 1e-6)):
+            ds, ddp = demo[f"{optimizer} ds"], demo[f"{optimizer} ddp"]
+            where = f"demo, {optimizer}, rank {rank}"
+            torch.testing.assert_close(ds["losses"], ddp["losses"], rtol=1e-5, atol=0, msg=where)
+            _assert_weights(ds["weights"], ddp["weights"], atol, where)
+        # The resumed run against the uninterrupted one: the losses after loading, then the weights and AdamW's
+        # moments (this rank's partitions, the expert blocks' among them) after the remaining steps.
+        uninterrupted, resumed = result["uninterrupted"], result["resumed"]
+        assert len(uninterrupted["losses"]) == RESUMED_TO and len(resumed["losses"]) == RESUMED_TO - STEPS
+        torch.testing.assert_close(resumed["losses"], uninterrupted["losses"][STEPS:], rtol=1e-5, atol=0)
+        _assert_weights(resumed["weights"], uninterrupted["weights"], 1e-6, f"resumed, rank {rank}")
+        assert resumed["adamw"].keys() == uninterrupted["adamw"].keys()
+        for key, value in uninterrupted["adamw"].items():
+            torch.testing.assert_close(
+                resumed["adamw"][key], value, rtol=1e-5, atol=1e-9, msg=lambda m, k=key: f"{k}: {m}"
+            )
         assert "expert_parallel_size=2" in result["refusal"] and "consolidate" in result["refusal"]
     # Full weights from the checkpoint, without processes: every expert whole, each rank's block in its place.
     one = MoELM.load_from_checkpoint(str(tmp_path / "ds_ep.ckpt"), map_location="cpu")
