@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,6 @@ def positionable(dataloader: object) -> DistributedSampler | None:
     ):
         return None  # a stateful loader (torchdata's StatefulDataLoader): Lightning restores its own position
     sampler = dataloader.sampler
-    if type(dataloader.batch_sampler) is not BatchSampler:
-        return None
     if type(sampler) is DistributedSampler or isinstance(sampler, ResumableDistributedSampler):
         return sampler
     return None
