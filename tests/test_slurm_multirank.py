@@ -74,11 +74,6 @@ def _job(tmp_path: Path, nodes: int, per_node: int, *args: str) -> dict[str, tup
     return runs
 
 
-@pytest.mark.xfail(
-    reason="its reference is DDPStrategy's mid-epoch resume, which re-reads the epoch's start; ShardStrategy's"
-    " positioned sampler reads on where the run stopped: compare with an uninterrupted run instead",
-    strict=False,
-)
 def test_both_engines_train_as_ddp_and_resume_from_the_hpc_checkpoint_of_sigusr1(tmp_path):
     # 1 node x 2 tasks; SIGUSR1 at step 2 on every task: Lightning saves hpc_ckpt_1.ckpt (sharded) and asks
     # scontrol to requeue (which fails harmlessly here).
@@ -86,7 +81,9 @@ def test_both_engines_train_as_ddp_and_resume_from_the_hpc_checkpoint_of_sigusr1
     for name in SHARD:
         assert (tmp_path / name / "hpc_ckpt_1.ckpt").is_dir(), name  # every rank wrote its shard
         torch.testing.assert_close(first[name][1], first["ddp"][1], rtol=1e-5, atol=0, msg=name)
-    # The requeued job, on 2 nodes x 2 tasks: Lightning finds the HPC checkpoint and resumes at step 2 on 4 ranks.
+    # The requeued job, on 2 nodes x 2 tasks: Lightning finds the HPC checkpoint and resumes at step 2 on 4 ranks,
+    # each engine reading from the batch its loop is at, as the reference's sampler does (DDP itself would
+    # start the epoch again, a run of other rows).
     second = _job(tmp_path, 2, 2, "--max-steps", "6")
     assert second["ddp"][0] == 2
     for name in SHARD:

@@ -6,6 +6,10 @@ small GPT under Lightning's ``DDPStrategy`` and under ShardStrategy's engines, o
                       the time limit): Lightning saves ``hpc_ckpt_1.ckpt`` and asks ``scontrol`` to requeue
     (no flag)         the next ``srun`` of the job: Lightning finds the HPC checkpoint and resumes from it
 
+The DDP reference reads its rows through a sampler written here on torch's ``DistributedSampler`` (the one
+Lightning injects, same seed and split) that starts a resumed epoch at the batch the restored loop is at, so the
+resumed runs are held to the rows the uninterrupted run reads there, not to DDP's replay of the epoch's start.
+
 Writes ``<root>/<name>/rank<r>.json``: the step training started at, and the mean loss of each step.
 """
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos import GPTModule, TextDataModule
@@ -56,6 +61,38 @@ class JobModule(GPTModule):
         return torch.optim.SGD(self.parameters(), lr=0.3)
 
 
+class SkipTaken(DistributedSampler):
+    """torch's ``DistributedSampler`` whose first pass leaves out the batches the restored loop already took."""
+
+    def __init__(self, dataset, batch_size: int, trainer: L.Trainer, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.batch_size, self.trainer, self.first = batch_size, trainer, True
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        taken = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed if self.first else 0
+        self.first = False
+        return iter(indices[taken * self.batch_size :])
+
+
+class ReferenceData(TextDataModule):
+    """The demo's data for the DDP reference, its sampler given (``use_distributed_sampler=False``)."""
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        assert trainer is not None
+        sampler = SkipTaken(
+            self.dataset,
+            self.batch_size,
+            trainer,
+            num_replicas=trainer.world_size,
+            rank=trainer.global_rank,
+            shuffle=True,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
@@ -79,12 +116,14 @@ def main() -> None:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            use_distributed_sampler=name != "ddp",
         )
         assert isinstance(trainer.strategy.cluster_environment, SLURMEnvironment), (
             trainer.strategy.cluster_environment
         )
         model = JobModule(args.signal_step)
-        trainer.fit(model, TextDataModule(seq_len=32, batch_size=4, n_sentences=300))
+        data = (ReferenceData if name == "ddp" else TextDataModule)(seq_len=32, batch_size=4, n_sentences=300)
+        trainer.fit(model, data)
         result = {"start": model.start_step, "losses": model.losses}
         Path(args.root, name, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
