@@ -7,7 +7,9 @@ lost replica group costs, on 2 groups x 2 CPU ranks (the demo GPT of ``examples/
 
 Measured (rank 0 of each run; steps timed end to end, the first two are warm-up):
 
-    median step seconds     plain and ft, and their ratio (goal: <= 1.10)
+    median step seconds     plain and ft, and their ratio (goal: <= 1.10); ``--rounds R`` runs the two R times,
+                            alternately (plain, ft, plain, ft, ...), and takes the median of every round's steps,
+                            so that the machine's drift reaches both alike
     death to rejoin         from group 1's death to its first step after healing (its restart: torchrun, imports,
                             set-up, the heal), and the heal alone (``ft/heal_seconds``)
     steps lost              by the live group: the steps it did not take (0 unless one was discarded); a restart
@@ -39,20 +41,30 @@ def _rank0(folder: Path, name: str) -> dict[str, Any]:
     return record
 
 
-def median_step_seconds(record: dict[str, Any]) -> float:
+def step_seconds(record: dict[str, Any]) -> list[float]:
     times = record["times"][2:]
-    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-def analyze(plain: Path | None, ft: Path | None, failure: Path | None, kill_at: int, ckpt_every: int) -> dict:
-    """The report of runs already made by ``examples/fault_tolerance/launch.py`` (each a ``stageS`` folder)."""
+def median_step_seconds(record: dict[str, Any]) -> float:
+    return statistics.median(step_seconds(record))
+
+
+def analyze(
+    plain: list[Path], ft: list[Path], failure: Path | None, kill_at: int, ckpt_every: int
+) -> dict[str, Any]:
+    """The report of runs already made by ``examples/fault_tolerance/launch.py`` (each a ``stageS`` folder; the
+    plain and ft runs of every round)."""
     report: dict[str, Any] = {}
-    if plain is not None and ft is not None:
-        base, tolerant = (
-            median_step_seconds(_rank0(plain, "plain")),
-            median_step_seconds(_rank0(ft, "group0")),
-        )
-        report["median_step_seconds"] = {"plain": base, "ft": tolerant, "ratio": tolerant / base}
+    if plain and ft:
+        base = statistics.median(s for folder in plain for s in step_seconds(_rank0(folder, "plain")))
+        tolerant = statistics.median(s for folder in ft for s in step_seconds(_rank0(folder, "group0")))
+        report["median_step_seconds"] = {
+            "plain": base,
+            "ft": tolerant,
+            "ratio": tolerant / base,
+            "rounds": min(len(plain), len(ft)),
+        }
     if failure is not None:
         survivor, healed = _rank0(failure, "group0"), _rank0(failure, "group1")
         died = (failure / "group1.died").stat().st_mtime
@@ -82,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=10)
     parser.add_argument("--d-model", type=int, default=32, help="the demo GPT's width (a longer step: 256)")
     parser.add_argument("--ckpt-every", type=int, default=25, help="the restart-from-checkpoint comparison")
+    parser.add_argument("--rounds", type=int, default=2, help="plain and ft runs, alternately, R times each")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_fault_tolerance"))
     parser.add_argument(
         "--from", dest="made", type=Path, help="report the runs already in DIR/{plain,ft,failure}"
@@ -90,8 +103,10 @@ def main() -> None:
     root = args.made or args.work
     if args.made is None:
         steps = ["--max-steps", str(args.steps), "--stage", "3", "--d-model", str(args.d_model)]
-        _launch(root / "plain", *steps, "--plain")
-        _launch(root / "ft", *steps, "--min-replicas", "2")
+        for r in range(args.rounds):
+            suffix = "" if r == 0 else f"_{r}"
+            _launch(root / f"plain{suffix}", *steps, "--plain")
+            _launch(root / f"ft{suffix}", *steps, "--min-replicas", "2")
         kill = [
             "--kill-group",
             "1",
@@ -101,8 +116,12 @@ def main() -> None:
             str(args.kill_at + 5),
         ]
         _launch(root / "failure", *steps, *kill)
-    folders = {name: root / name / "stage3" for name in ("plain", "ft", "failure")}
-    found = {name: folder if folder.exists() else None for name, folder in folders.items()}
+
+    def rounds(name: str) -> list[Path]:  # name, name_1, name_2, ...: the rounds made
+        made = [root / name, *sorted(root.glob(f"{name}_[0-9]*"), key=lambda p: int(p.name.split("_")[-1]))]
+        return [folder / "stage3" for folder in made if (folder / "stage3").exists()]
+
+    failure = root / "failure" / "stage3"
     report = {
         "config": {
             "groups": 2,
@@ -112,7 +131,13 @@ def main() -> None:
             "kill_at": args.kill_at,
             "d_model": args.d_model,
         },
-        **analyze(found["plain"], found["ft"], found["failure"], args.kill_at, args.ckpt_every),
+        **analyze(
+            rounds("plain"),
+            rounds("ft"),
+            failure if failure.exists() else None,
+            args.kill_at,
+            args.ckpt_every,
+        ),
     }
     write_report(report, args.out)
 

@@ -39,7 +39,7 @@ pytest.importorskip("torchft")
 EXAMPLE = Path(__file__).parents[1] / "examples" / "fault_tolerance"
 RANKS = 2
 STEPS, FAIL = 16, 12  # the failure run's steps, and the step whose cross-group collective breaks
-KILL, REJOIN = 2, 6  # group 1 dies at step 2; the live group waits for its restart at step 6
+KILL, REJOIN = 2, 6  # group 1 dies in step 2 (after its backward); the live group waits for its restart at 6
 WAIT_STEPS, WAIT_ACCUMULATE = 6, 2  # the run in which every step needs both groups: 12 batches
 STAGES = [0, 1, 2, 3]
 
@@ -146,6 +146,8 @@ def test_two_groups_without_failure_equal_one_job_at_every_stage(runs):
             for rank, record in enumerate(ranks):
                 where = f"stage {stage}, group {group}, rank {rank}"
                 assert record["participants"] == [2] * 4, where  # every step averaged over both groups
+                # Each step's quorum asked for when the step before it committed; none after the last (max_steps).
+                assert record["asked_ahead"] == 3, where
                 reference = plain_ranks[group * RANKS + rank]["losses"]
                 torch.testing.assert_close(record["losses"], reference, rtol=1e-5, atol=0, msg=where)
             for key, weight in plain["weights"].items():
@@ -189,12 +191,14 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
     survivor, survivor_state = _records(runs / "failure" / f"stage{stage}", "group0")
     healed, healed_state = _records(runs / "failure" / f"stage{stage}", "group1")
     # The step at which the healed group took part again (the live group waits for its restart at REJOIN; on a
-    # busy machine the heal may land a step later).
-    back = next(i for i in range(KILL, steps) if survivor[0]["participants"][i] == 2)
-    assert KILL < back <= REJOIN + 2, survivor[0]["participants"]
+    # busy machine the heal may land a step later). Step KILL is the last with both: group 1 died after its
+    # backward, and the next step's quorum is asked for once a step commits.
+    back = next(i for i in range(KILL + 1, steps) if survivor[0]["participants"][i] == 2)
+    assert KILL + 1 < back <= REJOIN + 2, survivor[0]["participants"]
     for rank, record in enumerate(survivor):
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
-        expected = [2] * KILL + [1] * (back - KILL) + [2] * (steps - back)
+        expected = [2] * (KILL + 1) + [1] * (back - KILL - 1) + [2] * (steps - back)
+        assert record["asked_ahead"] == steps - 1, record["asked_ahead"]
         assert record["participants"] == expected, (stage, record["participants"])
         # The failed collective: that step discarded (the weights untouched), every other one taken.
         assert record["discarded"] == 1 and record["changed"] == [i != fail for i in range(steps)], record
@@ -224,9 +228,9 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
 def test_a_group_killed_while_the_other_waits_for_it_ends_as_one_plain_job(runs):
     """min_replicas=2: no step runs without both groups, so after group 1's death and heal the run is the plain
     job's, step for step: the same rows on every rank and the same final weights (stage 3, AdamW). With
-    ``accumulate_grad_batches=2``: group 1 dies at its step's first micro-batch, group 0 waits at that step's
-    quorum on its second, and the healed group starts again at the first (a heal at the second would average
-    one micro-batch's gradient with the live group's two, and the weights would differ)."""
+    ``accumulate_grad_batches=2``: group 1 dies after step KILL's second backward, group 0 commits that step and
+    waits at the next step's quorum, and the healed group starts at that step's first micro-batch (a heal at
+    the second would average one micro-batch's gradient with the live group's two: other weights)."""
     folder = runs / "waits" / "stage3"
     plain_ranks, plain = _plain(folder)
     batches = WAIT_STEPS * WAIT_ACCUMULATE
@@ -238,7 +242,7 @@ def test_a_group_killed_while_the_other_waits_for_it_ends_as_one_plain_job(runs)
             assert record["participants"] == [2] * (taken // WAIT_ACCUMULATE), record
             # (either group may be healed at step 0: torchft's first quorum syncs the groups' initial weights)
             assert (group == 0) == (taken == batches) and (group == 0 or record["heals"]), record
-            assert group == 0 or taken == batches - KILL * WAIT_ACCUMULATE, record  # from the window's start
+            assert group == 0 or taken == batches - (KILL + 1) * WAIT_ACCUMULATE, record  # the window's start
             reference = plain_ranks[group * RANKS + rank]
             assert record["rows"] == reference["rows"][batches - taken :], f"group {group}, rank {rank}"
             losses = reference["losses"][batches - taken :]
@@ -328,6 +332,8 @@ def test_sigterm_to_one_group_ends_it_with_its_exception_checkpoint_while_the_ot
         record
     )
     assert not (run / "group0.rank0.stopped.json").exists()
+    # Group 1 agreed to stop before its last step, so it asked for no quorum after it: group 0 lost no step.
+    assert record["discarded"] == 0, record
 
 
 def test_a_fabric_loop_heals_a_restarted_group_of_one_rank_from_the_live_one(groups_of_one):
@@ -341,8 +347,11 @@ def test_a_fabric_loop_heals_a_restarted_group_of_one_rank_from_the_live_one(gro
         plain = json.loads((run / f"plain.rank{group}.json").read_text())
         torch.testing.assert_close(record["losses"][:KILL], plain["losses"][:KILL], rtol=1e-5, atol=0)
     assert live["started_at"] == 0 and live["step"] == FABRIC_STEPS and len(live["losses"]) == FABRIC_STEPS
-    assert live["participants"][KILL:REJOIN] == [1] * (REJOIN - KILL), live
+    # Step KILL is the last with both: group 1 died after its backward.
+    assert live["participants"][: KILL + 1] == [2] * (KILL + 1), live
+    assert live["participants"][KILL + 1 : REJOIN] == [1] * (REJOIN - KILL - 1), live
     assert live["participants"][REJOIN:] == [2] * (FABRIC_STEPS - REJOIN), live
+    assert live["asked_ahead"] == FABRIC_STEPS, live  # a Fabric loop asks after its last step too
     # The restarted group returned from join_replica_groups at the live group's step, with its schedule.
     assert healed["started_at"] == REJOIN and healed["heals"] and healed["step"] == FABRIC_STEPS, healed
     assert live["scheduler"] == healed["scheduler"] == FABRIC_STEPS

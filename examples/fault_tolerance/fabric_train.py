@@ -95,20 +95,20 @@ def main() -> None:
 
     while state["step"] < args.max_steps:
         step = state["step"]
-        if step == args.rejoin_by_step:  # a demo on one busy machine: wait until a lost group is back
-            _wait_for([d.with_suffix(".restarted") for d in out.glob("*.died")])
-        if step == args.die_at_step and not died.exists():
-            fabric.barrier()
-            (out / f"{name}.rank{fabric.global_rank}.died.json").write_text(json.dumps({"losses": losses}))
-            if fabric.global_rank == 0:
-                died.touch()
-            os._exit(1)  # every rank of this group dies here, mid-run
         x, y = batches[step % len(batches)]
         before = checksum()
         loss = module.pipeline_loss(model(x), y)
         if step == args.fail_at_step:  # this group's end of the cross-group collective breaks
             fabric.strategy.replica_group.pg.abort()
         fabric.backward(loss)
+        if step + 1 == args.rejoin_by_step:  # a demo on one busy machine: wait until a lost group is back,
+            _wait_for([d.with_suffix(".restarted") for d in out.glob("*.died")])  # before the next quorum
+        if step == args.die_at_step and not died.exists():  # after the backward, before the step commits
+            fabric.barrier()
+            (out / f"{name}.rank{fabric.global_rank}.died.json").write_text(json.dumps({"losses": losses}))
+            if fabric.global_rank == 0:
+                died.touch()
+            os._exit(1)  # every rank of this group dies here, mid-run
         for optimizer in (muon, adamw):
             optimizer.step()  # taken only if the step commits on every group taking part
             optimizer.zero_grad()
@@ -134,6 +134,7 @@ def main() -> None:
         "scheduler": scheduler.state_dict()["last_epoch"],
         "participants": replicas.participants if replicas else None,
         "heals": replicas.heals if replicas else None,
+        "asked_ahead": replicas.asked_ahead if replicas else None,
         "discarded": replicas.discarded if replicas else None,
         "changed": changed,
     }

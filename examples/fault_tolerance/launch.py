@@ -2,8 +2,8 @@
 
     python examples/fault_tolerance/launch.py --groups 2 --ranks 2 --out outputs/ft --kill-group 1 --kill-at-step 8
 
-With ``--kill-group G --kill-at-step K`` every process of group G exits at step K (as a lost host would); the
-launcher restarts that group alone, and it heals from a live group while the others train on: no process of
+With ``--kill-group G --kill-at-step K`` every process of group G exits in step K, after its backward (as a lost
+host would); the launcher restarts that group alone, and it heals from a live group while the others train on: no process of
 theirs restarts, and no checkpoint is read. ``--fail-group G --fail-at-step K`` fails one collective of group G
 at step K: that step is discarded on every group taking part, and training goes on. ``--term-group G --term-at-step K`` preempts group G at step K (SIGTERM to its ``torchrun``, as SLURM sends it):
 that group writes its exception checkpoint and ends, and the others train on. ``--fabric`` runs each

@@ -41,7 +41,7 @@ class Record(L.Callback):
         self.changed: list[bool] = []  # whether each step changed this rank's weights
         self.times: list[float] = []  # when each step ended
         self.die_at, self.marker, self.step_time = die_at, out / f"{name}.died", step_time
-        self.name = name
+        self.name, self.batch_idx = name, 0
         self.fail_at = fail_at
         self.term_at: int | None = None  # set by main(): SIGTERM to this group's launcher at that step
         self.out, self.rejoin_at = (
@@ -71,21 +71,26 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         self.rows.append(batch[0][:, :8].tolist())
-        if (
-            trainer.global_step == self.rejoin_at
-        ):  # a demo on one busy machine: wait until a lost group is back
+        self.before = self._checksum(module)
+        if trainer.global_step == self.term_at and trainer.global_rank == 0:
+            # Preempted: the group's torchrun is told to stop (as SLURM or Kubernetes tell it), and it passes
+            # SIGTERM on to each rank of the group; the other groups are not told anything.
+            os.kill(os.getppid(), signal.SIGTERM)
+        self.batch_idx = batch_idx
+
+    def on_after_backward(self, trainer: L.Trainer, module: Any) -> None:
+        # A lost host: every rank of this group dies after its step's backward (the cross-group average done, the
+        # step not committed; on a window's last micro-batch), so the step is the live groups' last with it.
+        last = (self.batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if self.rejoin_at is not None and trainer.global_step + 1 == self.rejoin_at and last:
+            # A demo on one busy machine: wait until a lost group is back, before the next step's quorum is asked.
             deadline = time.monotonic() + 120
             died = list(self.out.glob("*.died"))
             while died and not all(d.with_suffix(".restarted").exists() for d in died):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-        self.before = self._checksum(module)
-        if trainer.global_step == self.term_at and trainer.global_rank == 0:
-            # Preempted: the group's torchrun is told to stop (as SLURM or Kubernetes tell it), and it passes
-            # SIGTERM on to each rank of the group; the other groups are not told anything.
-            os.kill(os.getppid(), signal.SIGTERM)
-        if self.die_at is not None and trainer.global_step == self.die_at and not self.marker.exists():
+        if self.die_at == trainer.global_step and last and not self.marker.exists():
             trainer.strategy.barrier()
             if trainer.global_rank == 0:
                 self.marker.touch()
@@ -165,6 +170,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
         "participants": replicas.participants if replicas else None,
         "discarded": replicas.discarded if replicas else None,
         "heals": replicas.heals if replicas else None,
+        "asked_ahead": replicas.asked_ahead if replicas else None,
         "writes_checkpoints": replicas.writes_checkpoints() if replicas else True,
     }
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))

@@ -4,9 +4,15 @@ commit gate, and the state a restarted group heals from.
 Inside the group the model is sharded as the stage says (FSDP2 over the group's ranks). After FSDP2's
 reduce-scatter has averaged each gradient shard over the group, its all-reduce hook (``set_all_reduce_hook``,
 where HSDP's replicate all-reduce would run) averages the shard over the groups taking part in the step,
-through the Manager's reconfigurable gloo group: rank ``r`` of every group holds the same shard. The quorum is
-joined synchronously before each step; the optimizer steps only if ``should_commit`` says every participant
-succeeded, else the gradients are dropped and the step is discarded on every group.
+through the Manager's reconfigurable gloo group: rank ``r`` of every group holds the same shard. The optimizer
+steps only if ``should_commit`` says every participant succeeded, else the gradients are dropped and the step
+is discarded on every group.
+
+The next step's quorum is asked for as soon as a step's commit is decided, in a thread of its own, so the
+Lighthouse's round trip runs beside the optimizer step, the loop's work between steps and the data loading; the
+step waits for it before its first forward (:meth:`ReplicaGroups.settle`). Until then nothing a peer might need
+is read: a healing peer's state (and a heal of this group's own) waits for that point, where the weights are
+the committed step's and no forward holds gathered shards, exactly where a synchronous quorum would read them.
 
 A group that joins a running job heals from a live peer at its first quorum: model and optimizer state (this
 rank's shards, as rank ``r`` of the peer holds them) and whatever ``extra_state`` gives (the Trainer's loops,
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -108,10 +115,22 @@ class ReplicaGroups:
         self.manager.register_state_dict_fn(_KEY, self._load, self._state)
         self._quorum_ready = False  # a quorum was joined and no step has used it yet
         self._commits: bool | None = None  # the last quorum's commit decision, once asked
+        #: The next step's quorum, asked for in a thread once a step's commit is decided (None: none pending),
+        #: what it raised, and whether the loop is where a peer's state may be read (set, unless one is pending).
+        self._next: threading.Thread | None = None
+        self._next_error: BaseException | None = None
+        self._safe = threading.Event()
+        self._safe.set()
+        self._writes = False  # whether this group is the lowest of the quorum its last step used
+        #: Whether this group takes no step after the one being committed (its loop ends there: a preemption
+        #: every rank agreed on, the last of max_steps): no quorum is asked for after it, so none counts it.
+        self.leaving: Callable[[], bool] = lambda: False
+        self._next_writes = False
         #: Participants of each step so far, the steps discarded, and the seconds each heal took.
         self.participants: list[int] = []
         self.discarded = 0
         self.heals: list[float] = []
+        self.asked_ahead = 0  # quorums asked for when a step committed (each served the next step)
         #: The extra state of the last heal (None: the last quorum healed nothing).
         self.healed: dict[str, Any] | None = None
 
@@ -135,7 +154,7 @@ class ReplicaGroups:
 
         self.model, self.optimizers = model, list(optimizers)
         self.own_state = own_state
-        self.participants, self.discarded, self.heals = [], 0, []  # this fit's record
+        self.participants, self.discarded, self.heals, self.asked_ahead = [], 0, [], 0  # this fit's record
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for module in sharded:
             module.set_all_reduce_hook(self._all_reduce)
@@ -149,6 +168,15 @@ class ReplicaGroups:
 
     def join(self) -> None:
         """Join a quorum (healing first if this group is behind); the next step uses it."""
+        if self._next is not None:  # asked for after a previous fit's last step: used by no step
+            self._safe.set()
+            self._next.join()
+            self._next = None
+        self._writes = self._quorum()
+        self._quorum_ready, self._commits = True, None
+
+    def _quorum(self) -> bool:
+        """Join a quorum; whether this group is its lowest (the one that writes checkpoints)."""
         started = time.monotonic()
         self.healed = None
         try:
@@ -160,17 +188,55 @@ class ReplicaGroups:
                 f" min_replicas={ft.min_replicas} groups at {ft.lighthouse} within timeout={ft.timeout:g} s"
                 f" ({type(err).__name__}: {err}). Start the other groups, lower min_replicas, or raise timeout."
             ) from err
-        self._quorum_ready, self._commits = True, None
         if self.healed is not None:
             self.heals.append(time.monotonic() - started)
             log.info(
                 "Replica group %d healed from a live peer in %.2f s.", self.ft.replica_id, self.heals[-1]
             )
+        return self.manager.participating_rank() == 0
+
+    def _ask_next(self) -> None:
+        """Ask for the next step's quorum in a thread; :meth:`settle` waits for it."""
+        self._safe.clear()
+        self._next_error = None
+        self.asked_ahead += 1
+        # torchft reads the thread's current device (its recovery stream, the heal's tensors): this rank's.
+        device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+
+        def run() -> None:
+            try:
+                if device is not None:
+                    torch.accelerator.set_device_index(device)
+                self._next_writes = self._quorum()
+            except BaseException as err:  # noqa: BLE001  (raised in the loop's thread, at settle)
+                self._next_error = err
+
+        self._next = threading.Thread(target=run, name="lightning_shard-quorum", daemon=True)
+        self._next.start()
+
+    def settle(self) -> None:
+        """The loop is before a step's first forward: a peer's state may be read from here on; wait for the
+        quorum asked for after the last step (its heal, if any, applied), which the step then uses."""
+        self._safe.set()
+        pending, self._next = self._next, None
+        if pending is None:
+            return
+        pending.join()
+        if self._next_error is not None:
+            raise self._next_error
+        self._writes, self._quorum_ready, self._commits = self._next_writes, True, None
+
+    def release(self) -> None:
+        """The loop has ended: a quorum asked for after its last step may read this state (a late peer heals
+        from it); the next :meth:`join` waits for that quorum, whose outcome no step uses."""
+        self._safe.set()
 
     # --- steps -------------------------------------------------------------------------------------------
 
     def ensure_quorum(self) -> None:
-        """Join a quorum unless one is joined that no step has used yet."""
+        """Join a quorum unless one is joined that no step has used yet (the one asked for after the last step
+        settled first)."""
+        self.settle()
         if not self._quorum_ready:
             self.join()
 
@@ -192,6 +258,8 @@ class ReplicaGroups:
                 )
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
+            if not self.leaving():
+                self._ask_next()
         return self._commits
 
     def step(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
@@ -220,9 +288,10 @@ class ReplicaGroups:
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the run's checkpoints: the lowest group of the last quorum only."""
-        return self.manager.participating_rank() == 0
+        return self._writes
 
     def shutdown(self) -> None:
+        self._safe.set()  # a peer healing from this group's last state gets it
         self.manager.shutdown(wait=False)
 
     # --- healing -----------------------------------------------------------------------------------------
@@ -230,6 +299,7 @@ class ReplicaGroups:
     def _state(self) -> dict[str, Any]:
         """What a restarted group needs (called in torchft's quorum thread while this process waits on the
         quorum, between steps: no collective)."""
+        self._safe.wait()  # a quorum asked for after a step: the loop is before the next step's forward
         assert self.model is not None
         return {
             "model": _local(self.model.state_dict()),
@@ -250,6 +320,7 @@ class ReplicaGroups:
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
+        self._safe.wait()  # (as in _state)
         assert self.model is not None
         with torch.no_grad():
             for name, value in self.model.state_dict().items():

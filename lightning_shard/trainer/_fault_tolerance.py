@@ -51,6 +51,9 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
 
     replicas = join_replica_groups(strategy, strategy.model, strategy.optimizers, "ShardStrategy")
     replicas.extra_state, replicas.load_extra = (lambda: _trainer_state(trainer)), load_trainer_state
+    replicas.leaving = lambda: (
+        strategy._preemption.agreed or 0 <= trainer.max_steps <= trainer.global_step + 1
+    )
 
     def restore_then_join() -> None:
         restore()
@@ -83,6 +86,18 @@ def step(
     result = replicas.step(closure, lambda run: strategy._optimizer_step(optimizer, run, model, **kwargs))
     log_step(replicas, strategy.lightning_module.trainer, strategy.is_global_zero)
     return result
+
+
+def before_batch(replicas: ReplicaGroups | None) -> None:
+    """Before a batch's forward: the quorum asked for after the last step settled (a peer's state readable)."""
+    if replicas is not None:
+        replicas.settle()
+
+
+def end(replicas: ReplicaGroups | None) -> None:
+    """The end of a fit: a peer healing over the quorum asked for after the last step gets this state."""
+    if replicas is not None:
+        replicas.release()
 
 
 def writes(replicas: ReplicaGroups | None) -> bool:

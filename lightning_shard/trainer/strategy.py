@@ -108,11 +108,8 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning assigns the plugin it built from Trainer(precision=...).
-        self._precision_plugin = (
-            None
-            if plugin is None
-            else ShardPrecision.for_engine(plugin, self._engine_class, self.config.stage)
-        )
+        engine, stage = self._engine_class, self.config.stage
+        self._precision_plugin = None if plugin is None else ShardPrecision.for_engine(plugin, engine, stage)
 
     # --- model side -------------------------------------------------------------------------------
 
@@ -206,6 +203,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
                 if self._engine_live:  # the engine is kept for inspection; the next call builds a fresh one
                     self._engine_live = False
                     self._session.engine.teardown()
+            fault_tolerance.end(self._replicas)
             self.end_barrier()
         finally:
             assert self.cluster_environment is not None and self.accelerator is not None
@@ -269,6 +267,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         session, module = self._live(), self._lm
         self._preemption.agree(self.root_device)
+        fault_tolerance.before_batch(self._replicas)  # the quorum asked for after the last step, settled
         if session.pipeline is None:
             args, weight = session.cut(args)
             with self.precision_plugin.train_step_context():
