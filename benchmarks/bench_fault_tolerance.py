@@ -7,6 +7,7 @@ lost replica group costs, on 2 groups x 2 CPU ranks (the demo GPT of ``examples/
 
 Measured (rank 0 of each run; steps timed end to end, the first two are warm-up):
 
+    median wait seconds     of the ft step: waiting for the quorum, the cross-group all-reduces, the commit
     median step seconds     plain and ft, and their ratio (goal: <= 1.10); ``--rounds R`` runs the two R times,
                             alternately (plain, ft, plain, ft, ...), and takes the median of every round's steps,
                             so that the machine's drift reaches both alike
@@ -65,6 +66,12 @@ def analyze(
             "ratio": tolerant / base,
             "rounds": min(len(plain), len(ft)),
         }
+        # Where the fault-tolerant step waits (rank 0 of group 0, the steps timed above): medians per step.
+        waits = [w for folder in ft for w in _rank0(folder, "group0").get("waits", [])[2:]]
+        if waits:
+            report["median_wait_seconds"] = {
+                key: statistics.median(w[key] for w in waits) for key in ("quorum", "cross_group", "commit")
+            }
     if failure is not None:
         survivor, healed = _rank0(failure, "group0"), _rank0(failure, "group1")
         died = (failure / "group1.died").stat().st_mtime

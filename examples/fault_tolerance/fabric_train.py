@@ -135,6 +135,7 @@ def main() -> None:
         "participants": replicas.participants if replicas else None,
         "heals": replicas.heals if replicas else None,
         "asked_ahead": replicas.asked_ahead if replicas else None,
+        "waits": replicas.waits if replicas else None,
         "discarded": replicas.discarded if replicas else None,
         "changed": changed,
     }

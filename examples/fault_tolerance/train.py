@@ -171,6 +171,7 @@ def fit(args: argparse.Namespace, stage: int, out: Path, resume: Path | None = N
         "discarded": replicas.discarded if replicas else None,
         "heals": replicas.heals if replicas else None,
         "asked_ahead": replicas.asked_ahead if replicas else None,
+        "waits": replicas.waits if replicas else None,
         "writes_checkpoints": replicas.writes_checkpoints() if replicas else True,
     }
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))

@@ -131,6 +131,10 @@ class ReplicaGroups:
         self.discarded = 0
         self.heals: list[float] = []
         self.asked_ahead = 0  # quorums asked for when a step committed (each served the next step)
+        #: Seconds each step spent waiting on fault tolerance: the quorum (what of it the loop waited for), the
+        #: cross-group all-reduces, the commit decision.
+        self.waits: list[dict[str, float]] = []
+        self._waited = {"quorum": 0.0, "cross_group": 0.0}
         #: The extra state of the last heal (None: the last quorum healed nothing).
         self.healed: dict[str, Any] | None = None
 
@@ -155,6 +159,7 @@ class ReplicaGroups:
         self.model, self.optimizers = model, list(optimizers)
         self.own_state = own_state
         self.participants, self.discarded, self.heals, self.asked_ahead = [], 0, [], 0  # this fit's record
+        self.waits = []
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for module in sharded:
             module.set_all_reduce_hook(self._all_reduce)
@@ -164,7 +169,9 @@ class ReplicaGroups:
                 setattr(ddp, _KEY, True)
 
     def _all_reduce(self, output: torch.Tensor) -> None:
+        started = time.perf_counter()
         self.manager.allreduce(output).wait()
+        self._waited["cross_group"] += time.perf_counter() - started
 
     def join(self) -> None:
         """Join a quorum (healing first if this group is behind); the next step uses it."""
@@ -172,7 +179,9 @@ class ReplicaGroups:
             self._safe.set()
             self._next.join()
             self._next = None
+        started = time.perf_counter()
         self._writes = self._quorum()
+        self._waited["quorum"] += time.perf_counter() - started
         self._quorum_ready, self._commits = True, None
 
     def _quorum(self) -> bool:
@@ -221,7 +230,9 @@ class ReplicaGroups:
         pending, self._next = self._next, None
         if pending is None:
             return
+        started = time.perf_counter()
         pending.join()
+        self._waited["quorum"] += time.perf_counter() - started
         if self._next_error is not None:
             raise self._next_error
         self._writes, self._quorum_ready, self._commits = self._next_writes, True, None
@@ -247,7 +258,10 @@ class ReplicaGroups:
         if self._commits is None:
             self._quorum_ready = False
             self.participants.append(self.manager.num_participants())
+            started = time.perf_counter()
             self._commits = bool(self.manager.should_commit())
+            self.waits.append({**self._waited, "commit": time.perf_counter() - started})
+            self._waited = {"quorum": 0.0, "cross_group": 0.0}
             if not self._commits:
                 self.discarded += 1
                 log.warning(
@@ -364,7 +378,9 @@ class _AcrossGroups:
         Variable._execution_engine.queue_callback(self.across)
 
     def across(self) -> None:
+        started = time.perf_counter()
         average_gradients(self.replicas.manager, self.module)
+        self.replicas._waited["cross_group"] += time.perf_counter() - started
 
 
 #: The most bytes of gradients one cross-group all-reduce carries (DDP's default bucket size).
