@@ -326,20 +326,15 @@ def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     not), so that checkpoints and exports hold ordinary weights, readable without torchao."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_shard._dtensor import laid_out_as
+
     plain = {}
     for key, value in state.items():
         local = value._local_tensor if isinstance(value, DTensor) else value
         if type(local).__name__ == _GATHERED:
             inner = local._tensor  # type: ignore[union-attr]  # the high-precision shard
             if isinstance(value, DTensor):
-                inner = DTensor.from_local(
-                    inner,
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
+                inner = laid_out_as(inner, value)
             value = inner
         plain[key] = value
     return plain

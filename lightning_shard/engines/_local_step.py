@@ -28,6 +28,8 @@ import torch.optim.optimizer as torch_optimizer
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_shard._dtensor import laid_out_as
+
 #: Optimizer classes whose update of each element reads only that element (and scalars).
 ELEMENTWISE: frozenset[type[Optimizer]] = frozenset(
     {
@@ -160,7 +162,5 @@ def _as_dtensor(value: Any, p: DTensor, shard: torch.Tensor, before: Any) -> Any
     if isinstance(before, DTensor) and before.to_local() is value:
         return before
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
-        return DTensor.from_local(
-            value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
+        return laid_out_as(value, p)
     return value

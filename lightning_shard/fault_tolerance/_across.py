@@ -1,6 +1,7 @@
-"""The cross-group gradient mean at stages 0-1 (DDP): DDP's communication hook takes each bucket's mean inside
-the group, and once DDP's backward has ended every gradient is averaged over the replica groups taking part,
-in the module's parameter order (:class:`AcrossGroups`)."""
+"""The cross-group gradient mean, once per backward (:class:`AcrossGroups`): at stages 0-1 DDP's communication
+hook takes each bucket's mean inside the group, at stages 2-3 FSDP2's reduce-scatter each unit's; once the
+backward has ended every gradient (this rank's shard of it) is averaged over the replica groups taking part, in
+the module's parameter order, a few large all-reduces rather than one per bucket or unit."""
 
 from __future__ import annotations
 
@@ -11,29 +12,51 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+
+from lightning_shard._dtensor import laid_out_as
+from lightning_shard._dtensor import local as _local
 
 
 class AcrossGroups:
-    """DDP's communication hook under fault tolerance: the group's mean of each bucket (``within``); then, once
-    DDP has finished the backward, every gradient's mean over the participating groups, in the module's
-    parameter order.
+    """The hooks under fault tolerance: DDP's communication hook (the group's mean of each bucket, ``within``)
+    and FSDP2's all-reduce hook (:meth:`shard_reduced`); once the backward has ended, every gradient's mean
+    over the participating groups, in the module's parameter order.
 
     Not per bucket: DDP rebuilds its buckets after its first backward, in the order the gradients became
     ready, so a restarted group's first backward (the initial buckets) meets the live groups' rebuilt ones,
     and bucket ``k`` holds other parameters, or the same ones in another order, on each side: a sum of unlike
-    buffers, after which every group trains its own model."""
+    buffers, after which every group trains its own model. Not per FSDP2 unit either: a round trip to every
+    group per unit. The mean is HSDP's, its division by the group's size taken before the cross-group sum
+    rather than after: the same bits where the sizes are powers of two.
+    """
 
     def __init__(
-        self, manager: Any, within: Callable[..., Any], module: nn.Module, waited: Callable[[float], None]
+        self,
+        manager: Any,
+        module: nn.Module,
+        waited: Callable[[float], None],
+        within: Callable[..., Any] | None = None,
     ) -> None:
-        """``manager``: torchft's; ``waited(seconds)`` is told how long each cross-group mean took."""
+        """``manager``: torchft's; ``waited(seconds)`` is told how long each cross-group mean took; ``within``:
+        DDP's own hook (stages 0-1)."""
         self.manager, self.within, self.module, self.waited = manager, within, module, waited
+        self._queued = False
         self.__name__ = self.__qualname__ = "fault_tolerant_allreduce_hook"  # DDP reads and logs the name
 
     def __call__(self, group, bucket):  # type: ignore[no-untyped-def]  # (no annotations: DDP checks them)
         if bucket.index() == 0:  # the first bucket of a synchronised backward (DDP launches them in order)
             Variable._execution_engine.queue_callback(self._after_ddp)
+        assert self.within is not None
         return self.within(group, bucket)
+
+    def shard_reduced(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook (``set_all_reduce_hook``), called with each unit's reduce-scattered shard in a
+        backward that syncs. FSDP2 queued its end-of-backward callback (which assigns the last units' shards
+        to the gradients) at the backward's start: queued from here, the mean runs after it."""
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self.across)
 
     def _after_ddp(self) -> None:
         # DDP queues its own end-of-backward callback (which writes each bucket's mean into the gradients) once
@@ -41,6 +64,7 @@ class AcrossGroups:
         Variable._execution_engine.queue_callback(self.across)
 
     def across(self) -> None:
+        self._queued = False
         started = time.perf_counter()
         average_gradients(self.manager, self.module)
         self.waited(time.perf_counter() - started)
@@ -51,16 +75,17 @@ _CHUNK_BYTES = 25 * 1024 * 1024
 
 
 def average_gradients(manager: Any, module: nn.Module) -> None:
-    """Each gradient of ``module``'s trainable parameters averaged over the participating groups, in parameter
-    order, in chunks of at most 25 MB per dtype. A parameter without a gradient counts as zeros and gets the
-    mean where another group had one (DDP's rule for an unused parameter), else stays without."""
+    """Each gradient of ``module``'s trainable parameters (this rank's shard of a DTensor's) averaged over the
+    participating groups, in parameter order, in chunks of at most 25 MB per dtype. A parameter without a
+    gradient counts as zeros and gets the mean where another group had one (DDP's rule for an unused
+    parameter), else stays without."""
     params = [p for p in module.parameters() if p.requires_grad]
     chunks: list[list[nn.Parameter]] = []
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     open_chunk: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
         key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
+        nbytes = _local(p).numel() * p.element_size()
         if key not in open_chunk or 0 < sizes[key] and sizes[key] + nbytes > _CHUNK_BYTES:
             open_chunk[key] = []
             chunks.append(open_chunk[key])
@@ -71,7 +96,10 @@ def average_gradients(manager: Any, module: nn.Module) -> None:
     for chunk in chunks:
         # [sum of numels + one presence flag per parameter]
         flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in chunk]
+            [
+                (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                for p in chunk
+            ]
             + [
                 torch.tensor(
                     [float(p.grad is not None) for p in chunk], dtype=chunk[0].dtype, device=chunk[0].device
@@ -84,9 +112,10 @@ def average_gradients(manager: Any, module: nn.Module) -> None:
         offset, present = 0, flat[-len(chunk) :]
         with torch.no_grad():
             for p, flag in zip(chunk, present.tolist(), strict=True):
-                mean = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+                local = _local(p)
+                mean = flat[offset : offset + local.numel()].view_as(local)
+                offset += local.numel()
                 if p.grad is not None:
-                    p.grad.copy_(mean)
+                    _local(p.grad).copy_(mean)
                 elif flag > 0:
-                    p.grad = mean.clone()
+                    p.grad = laid_out_as(mean.clone(), p) if isinstance(p, DTensor) else mean.clone()

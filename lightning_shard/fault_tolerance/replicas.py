@@ -1,10 +1,11 @@
 """One replica group's side of a fault-tolerant run: torchft's Manager, the cross-group gradient average, the
 commit gate, and the state a restarted group heals from.
 
-Inside the group the model is sharded as the stage says (FSDP2 over the group's ranks). After FSDP2's
-reduce-scatter has averaged each gradient shard over the group, its all-reduce hook (``set_all_reduce_hook``,
-where HSDP's replicate all-reduce would run) averages the shard over the groups taking part in the step,
-through the Manager's reconfigurable gloo group: rank ``r`` of every group holds the same shard. The optimizer
+Inside the group the model is sharded as the stage says (FSDP2 over the group's ranks). Once FSDP2's
+reduce-scatters have averaged each gradient shard over the group (its all-reduce hook, where HSDP's replicate
+all-reduce would run, marks the backward), the shards are averaged over the groups taking part in the step at
+the backward's end, a few large all-reduces through the Manager's reconfigurable gloo group (rank ``r`` of
+every group holds the same shards): :mod:`._across`, which does the same for DDP's buckets. The optimizer
 steps only if ``should_commit`` says every participant succeeded, else the gradients are dropped and the step
 is discarded on every group.
 
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_shard._dtensor import laid_out_as
 from lightning_shard.fault_tolerance import FaultTolerance, check_reachable
 from lightning_shard.fault_tolerance._across import AcrossGroups
 
@@ -161,19 +163,16 @@ class ReplicaGroups:
         self.participants, self.discarded, self.heals, self.asked_ahead = [], 0, [], 0  # this fit's record
         self.waits = []
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for module in sharded:
-            module.set_all_reduce_hook(self._all_reduce)
+        if sharded:
+            across = AcrossGroups(self.manager, model, self._waited_across)
+            for module in sharded:
+                module.set_all_reduce_hook(across.shard_reduced)
         for ddp in (m for m in model.modules() if isinstance(m, DistributedDataParallel)):
             if not getattr(ddp, _KEY, False):  # DDP takes one hook for its lifetime (a later fit keeps it)
                 ddp.register_comm_hook(
-                    ddp.process_group, AcrossGroups(self.manager, within, ddp.module, self._waited_across)
+                    ddp.process_group, AcrossGroups(self.manager, ddp.module, self._waited_across, within)
                 )
                 setattr(ddp, _KEY, True)
-
-    def _all_reduce(self, output: torch.Tensor) -> None:
-        started = time.perf_counter()
-        self.manager.allreduce(output).wait()
-        self._waited_across(time.perf_counter() - started)
 
     def _waited_across(self, seconds: float) -> None:
         self._waited["cross_group"] += seconds
@@ -390,14 +389,7 @@ def _as_dtensors(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     for index, entry in saved["state"].items():
         p = params[index]
         state[index] = {
-            key: DTensor.from_local(
-                value.to(p.device),
-                p.device_mesh,
-                p.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.stride(),
-            )
+            key: laid_out_as(value.to(p.device), p)
             if isinstance(p, DTensor)
             and torch.is_tensor(value)
             and value.dim() > 0
