@@ -220,6 +220,22 @@ def test_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     assert removed == [stale] and not stale.exists() and fresh.exists()
 
 
+@pytest.mark.deepspeed
+def test_build_ops_clears_a_killed_builds_lock_first(tmp_path, monkeypatch):
+    """A build killed mid-way leaves its lock; ``build-ops`` would wait on it forever."""
+    from lightning_shard.engines import _ds_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "async_io").mkdir()
+    stale = tmp_path / "async_io" / "lock"
+    stale.write_text("")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    monkeypatch.setattr(_ds_ops, "_builder", lambda accelerator, name: None)  # every op skipped: no build
+    assert {op.status for op in _ds_ops.build_deepspeed_ops()} == {"skipped"}
+    assert not stale.exists()
+
+
 def test_swap_directory_is_cleared(tmp_path):
     swap = offload_mod.swap_dir(str(tmp_path), 0)
     swap.mkdir(parents=True)

@@ -43,7 +43,9 @@ class OpBuild(NamedTuple):
 
 
 def build_deepspeed_ops() -> list[OpBuild]:
-    """Load (building where needed) each op of :data:`OPS` this machine's accelerator can run."""
+    """Load (building where needed) each op of :data:`OPS` this machine's accelerator can run (after removing the
+    build locks a killed build left, which would keep every build waiting)."""
+    clear_stale_build_locks()
     try:
         from deepspeed.accelerator import get_accelerator  # optional: DeepSpeed
     except ImportError as err:
