@@ -30,12 +30,6 @@ KEY = "ema_weight"
 _DEEPSPEED_MASTERS = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank holds (a DTensor's local shard; any other tensor itself)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
 class Layout:
     """A torch optimizer whose parameters are the weights: whole (DDP, one process) or DTensor shards."""
 

@@ -29,8 +29,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from typing_extensions import override
 
+from lightning_shard._dtensor import local
 from lightning_shard.averaging._hooks import AverageHooks
-from lightning_shard.averaging._layouts import KEY, Layout, layout_of, local
+from lightning_shard.averaging._layouts import KEY, Layout, layout_of
 from lightning_shard.checkpoint import read_metadata
 
 
