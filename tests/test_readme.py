@@ -93,11 +93,15 @@ def _train_gpt(tmp_path: Path, argv: list[str], max_steps: int) -> str:
 
 
 @pytest.mark.multirank
-def test_main_job_and_consolidate(tmp_path):
+def test_main_job_and_consolidate(tmp_path, monkeypatch, capsys):
+    from lightning_shard.cli import main
+
     argv = _python_part(_quickstart_commands()[0])
     assert argv[:2] == ["python", "examples/train_gpt.py"]
     out = _train_gpt(tmp_path, argv, max_steps=4)
-    env = job_env(pythonpath=False)
+    # The README's `lightning-shard ...` lines run in this process (the console script's own entry point,
+    # `lightning_shard.cli:main`), from the directory the job ran in.
+    monkeypatch.chdir(tmp_path)
     last = tmp_path / "outputs/zero3/checkpoints/last.ckpt"
     assert (last / ".metadata").is_file()
     # The run ends with its summary on rank 0 (once). Its checkpoint line names a checkpoint saved before
@@ -107,27 +111,12 @@ def test_main_job_and_consolidate(tmp_path):
     # The README's picture of a run, from the run's CSV logs.
     plot = [line for line in README.splitlines() if line.startswith("lightning-shard plot")]
     assert plot == ["lightning-shard plot outputs/zero3"], plot
-    run = subprocess.run(
-        [sys.executable, "-m", "lightning_shard.cli", *shlex.split(plot[0])[1:]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
+    assert main(shlex.split(plot[0])[1:]) == 0, capsys.readouterr()
     assert (tmp_path / "outputs/zero3/run.png").stat().st_size > 10_000
 
     consolidate = [line for line in README.splitlines() if line.startswith("lightning-shard consolidate")]
     assert len(consolidate) == 1
-    args = shlex.split(consolidate[0])
-    run = subprocess.run(
-        [sys.executable, "-m", "lightning_shard.cli", *args[1:]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
+    assert main(shlex.split(consolidate[0])[1:]) == 0, capsys.readouterr()
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     from lightning_shard.demos import GPTModule
 
