@@ -10,8 +10,8 @@ Where the platform has it, ranks start from a fork server (``multiprocessing``'s
 clean process, started on the first call, that has imported torch and Lightning once and forks a fresh
 process per rank from then on. It runs no OpenMP or other threads, so forking it is safe, and each rank
 is still a new process that shares nothing with other jobs; only the imports (several seconds per rank
-on a small machine) are not repeated, the optional libraries' too (:mod:`lightning_shard.demos._warm`). A rank gets the caller's environment as it is at the call (the
-server's own dates from its start).
+on a small machine) are not repeated, the optional libraries' too (:mod:`lightning_shard.demos._warm`).
+A rank gets the caller's environment as it is at the call (the server's own dates from its start).
 """
 
 from __future__ import annotations
@@ -35,16 +35,14 @@ _PRELOAD = [
     "torch.distributed",
     "lightning",
     "lightning_shard",
-    # the doors, engines and callbacks ``import lightning_shard`` leaves to first use (a missing optional
-    # library's ImportError only skips that module)
+    # the doors, the FSDP engine and the callbacks that ``import lightning_shard`` leaves to first use
     "lightning_shard.trainer.strategy",
     "lightning_shard.trainer.precision",
     "lightning_shard.callbacks",
     "lightning_shard.averaging",
     "lightning_shard.engines.fsdp",
-    "lightning_shard.engines.deepspeed",
     "lightning_shard.demos.gpt",
-    "lightning_shard.demos._warm",  # last: the optional libraries, then gc.freeze()
+    "lightning_shard.demos._warm",  # last: the optional libraries (best-effort), then gc.freeze()
 ]
 
 
