@@ -1,5 +1,5 @@
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -68,3 +68,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if reason is not None:
             for item in marked:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_as_found() -> Iterator[None]:
+    """Each test leaves the process's rank-zero rank as it found it: Lightning's environments set it process-wide
+    (``LightningEnvironment.set_global_rank`` of a test that plays rank 3 left every later in-process
+    ``rank_zero_warn`` silent, so a test asserting a warning failed or passed by the order the tests ran in)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", None)
+    yield
+    if rank is not None:
+        rank_zero_only.rank = rank
