@@ -90,8 +90,6 @@ def test_build_ops_builds_what_the_engine_loads_and_names_what_it_skips(capsys):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert " built in " in rows["cpu_adam"] and " built in " in rows["deepspeed_shm_comm"]
     assert "skipped: not used on the cpu accelerator" in rows["FusedAdamBuilder"]
-    # NVMe offload loads pin_memory beside async_io: left out, its first NVMe job built it mid-run
-    assert " built in " in rows["pin_memory"]
     if AsyncIOBuilder().is_compatible(verbose=False):
         assert " built in " in rows["async_io"]
     else:

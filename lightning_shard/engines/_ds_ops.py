@@ -29,7 +29,6 @@ STALE_LOCK_SECONDS = 30 * 60
 OPS = (
     ("CPUAdamBuilder", "offload_optimizer='cpu' | 'nvme' (DeepSpeedCPUAdam)", None),
     ("AsyncIOBuilder", "NVMe offload (offload_optimizer / offload_params='nvme')", None),
-    ("PinMemoryBuilder", "NVMe offload's pinned swap buffers", None),
     ("ShareMemCommBuilder", "DeepSpeed's collectives between CPU ranks", ("cpu",)),
     ("FusedAdamBuilder", "DeepSpeed's fused Adam on GPUs", ("cuda",)),
 )
