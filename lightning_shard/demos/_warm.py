@@ -1,8 +1,8 @@
 """What the fork server of :mod:`lightning_shard.demos.ranks` imports before it forks any rank, besides torch,
 Lightning and the package: the optional libraries a rank would otherwise import on its first use of them, in
 every rank of every job (DeepSpeed's engine and the inductor modules its optimizers' ``torch.compile`` loads,
-about 4 s per rank on a 2-core machine, and the package's DeepSpeed engine over it; the Hugging Face model
-classes the tests train; torchao; torchft).
+about 4 s per rank on a 2-core machine; the Hugging Face model classes the tests train; torchao; torchft). Only
+third-party modules: the package's own are in the server's list itself.
 
 Each import is best-effort: a library that is missing, or fails to import here, is imported (or fails) in the
 rank as before. None of them starts a thread at import, so forking the server stays safe.
@@ -25,7 +25,6 @@ OPTIONAL = (
     "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.muon.muon_optimizer",
-    "lightning_shard.engines.deepspeed",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",

@@ -35,12 +35,14 @@ _PRELOAD = [
     "torch.distributed",
     "lightning",
     "lightning_shard",
-    # the doors, the FSDP engine and the callbacks that ``import lightning_shard`` leaves to first use
+    # the doors, both engines and the callbacks that ``import lightning_shard`` leaves to first use (the
+    # DeepSpeed engine imports DeepSpeed only when it runs)
     "lightning_shard.trainer.strategy",
     "lightning_shard.trainer.precision",
     "lightning_shard.callbacks",
     "lightning_shard.averaging",
     "lightning_shard.engines.fsdp",
+    "lightning_shard.engines.deepspeed",
     "lightning_shard.demos.gpt",
     "lightning_shard.demos._warm",  # last: the optional libraries (best-effort), then gc.freeze()
 ]
