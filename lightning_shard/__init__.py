@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+from lightning_shard._compat import build_per_environment
 from lightning_shard.core.registry import LazyClass, register_names
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ def _register_strategies() -> None:
 
 
 _register_strategies()
+build_per_environment()  # DeepSpeed's op builds: one folder per Python environment
 
 
 def __dir__() -> list[str]:

@@ -10,7 +10,9 @@ package was tested with, so a new release degrades one feature instead of breaki
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,20 @@ def build_directory() -> Path:
         return Path(root)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "torch_extensions"
+
+
+def build_per_environment() -> None:
+    """Give this Python environment its own extension build root, unless ``TORCH_EXTENSIONS_DIR`` is set.
+
+    torch's default root is one per user and Python version, while each build records the environment's
+    include paths: two virtual environments on one machine rebuild each other's DeepSpeed ops (minutes each)
+    whenever they take turns. Set in ``os.environ``, so the ranks a job starts build and load in the same place.
+    """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    tag = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(build_directory() / f"{version}-env-{tag}")
 
 
 def ring_attention_module(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,33 @@ def test_build_directory_is_where_torch_builds(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert Path(_get_build_directory("op", verbose=False)).is_relative_to(_compat.build_directory())
+
+
+def test_each_python_environment_builds_extensions_in_its_own_folder(tmp_path, monkeypatch):
+    import hashlib
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _compat.build_per_environment()
+    tag = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    folder = (
+        tmp_path
+        / "cache"
+        / "torch_extensions"
+        / f"py{sys.version_info.major}{sys.version_info.minor}-env-{tag}"
+    )
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(folder)
+    assert Path(_get_build_directory("op", verbose=False)) == folder / "op"  # where torch builds DeepSpeed's
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    _compat.build_per_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] != str(folder)  # another environment, another folder
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    _compat.build_per_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")  # the user's choice is kept
 
 
 def test_a_missing_private_api_names_itself_and_the_tested_versions():

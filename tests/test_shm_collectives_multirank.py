@@ -5,7 +5,9 @@ carried by them."""
 
 from __future__ import annotations
 
-import glob
+import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,14 +15,26 @@ import torch
 
 from lightning_shard.demos.ranks import run_ranks
 
-_LEFT = "/dev/shm/lightning_shard-*"
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    """A folder of /dev/shm for one test's ranks to make their files in (``_shm._DIRECTORY``): what is left
+    there is this job's, whatever other jobs on the machine have in /dev/shm at the time."""
+    folder = tempfile.mkdtemp(prefix="lightning_shard-test-", dir="/dev/shm")
+    yield folder
+    left = os.listdir(folder)
+    for name in left:
+        os.unlink(os.path.join(folder, name))
+    os.rmdir(folder)
+    assert left == []
 
 
-def _job(broken_rank: int | None) -> dict[str, Any]:
+def _job(broken_rank: int | None, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_shard.engines import _shm
 
+    _shm._DIRECTORY = folder
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank == broken_rank:
@@ -68,27 +82,25 @@ def _job(broken_rank: int | None) -> dict[str, Any]:
                 all(torch.equal(p, torch.full_like(p, float(j))) for j, p in enumerate(parts))
             )
     out["usable"] = group.usable
-    out["left"] = glob.glob(_LEFT)
+    out["left"] = os.listdir(folder)
     _shm.release()
     dist.destroy_process_group()
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_shared_memory_collectives_match_gloo(world_size):
-    for out in run_ranks(_job, None, world_size=world_size):
+def test_shared_memory_collectives_match_gloo(world_size, shm):
+    for out in run_ranks(_job, None, shm, world_size=world_size):
         assert out["usable"] and all(out["used"])
         assert all(out["equal"]) and all(out["close"])
         assert out["left"] == []  # unlinked once every rank had mapped them
-    assert glob.glob(_LEFT) == []
 
 
-def test_one_rank_without_shared_memory_falls_back_everywhere():
-    outs = run_ranks(_job, 1, world_size=2)
+def test_one_rank_without_shared_memory_falls_back_everywhere(shm):
+    outs = run_ranks(_job, 1, shm, world_size=2)
     for out in outs:
         assert not out["usable"] and not any(out["used"])
         assert all(out["equal"]) and all(out["close"])
-    assert glob.glob(_LEFT) == []
 
 
 class _UserHook:
@@ -117,7 +129,9 @@ class _UserHook:
             self.second = str(err)
 
 
-def _train(stage: int, user_hook: bool, ddp_strategy: bool = False, **ddp_kwargs: Any) -> dict[str, Any]:
+def _train(
+    stage: int, user_hook: bool, folder: str, ddp_strategy: bool = False, **ddp_kwargs: Any
+) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -125,6 +139,7 @@ def _train(stage: int, user_hook: bool, ddp_strategy: bool = False, **ddp_kwargs
     from lightning_shard.engines import _shm
     from tests.helpers import LossRecorder, loader, tiny_gpt, trainer_kwargs
 
+    _shm._DIRECTORY = folder
     calls: dict[str, int] = {}
     for name in ("all_gather", "reduce_scatter", "all_reduce", "gather"):
         original = getattr(_shm.SharedMemoryGroup, name)
@@ -150,7 +165,7 @@ def _train(stage: int, user_hook: bool, ddp_strategy: bool = False, **ddp_kwargs
     trainer.fit(tiny_gpt(), loader(4))
     return {
         "calls": calls,
-        "left": glob.glob(_LEFT),
+        "left": os.listdir(folder),
         "groups": len(_shm._groups),
         "user": (user.calls, user.second),
         "losses": losses.losses,
@@ -158,9 +173,11 @@ def _train(stage: int, user_hook: bool, ddp_strategy: bool = False, **ddp_kwargs
     }
 
 
-def _stage0_and_ddp() -> dict[str, Any]:
+def _stage0_and_ddp(folder: str) -> dict[str, Any]:
     return {
-        (strategy, hook): _train(0, hook, strategy == "ddp", static_graph=True, gradient_as_bucket_view=True)
+        (strategy, hook): _train(
+            0, hook, folder, strategy == "ddp", static_graph=True, gradient_as_bucket_view=True
+        )
         for strategy in ("shard", "ddp")
         for hook in (False, True)
     }
@@ -174,14 +191,14 @@ def _stage0_and_ddp() -> dict[str, Any]:
         (2, {"all_gather", "gather", "reduce_scatter"}),
     ],  # an all-gather is a gather
 )
-def test_training_communicates_through_shared_memory(stage, expected):
-    for out in run_ranks(_train, stage, False, world_size=2):
+def test_training_communicates_through_shared_memory(stage, expected, shm):
+    for out in run_ranks(_train, stage, False, shm, world_size=2):
         assert {name for name, count in out["calls"].items() if count} == expected
         assert out["left"] == [] and out["groups"] == 0  # released at teardown
 
 
-def test_stage0_matches_ddpstrategy_and_a_users_ddp_comm_hook_replaces_the_shared_memory_one():
-    for runs in run_ranks(_stage0_and_ddp, world_size=2):
+def test_stage0_matches_ddpstrategy_and_a_users_ddp_comm_hook_replaces_the_shared_memory_one(shm):
+    for runs in run_ranks(_stage0_and_ddp, shm, world_size=2):
         ours, users = runs[("shard", False)], runs[("shard", True)]
         assert ours["calls"]["all_reduce"] > 0 and "all_reduce" not in users["calls"]
         calls, second = users["user"]
