@@ -112,9 +112,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     some of its tests need DeepSpeed or some hardware; everything unmarked runs everywhere.
     """
     place = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(
-        key=lambda item: place.get(item.path.stem, len(place))
-    )  # stable: a file's tests keep their order
+    # A stable sort: the tests of a file keep their order.
+    items.sort(key=lambda item: place.get(item.path.stem, len(place)))
     for name, probe in _NEEDS.items():
         marked = [item for item in items if item.get_closest_marker(name) is not None]
         reason = probe() if marked else None
