@@ -3,6 +3,7 @@ of ``lightning.pytorch``, modules of a readable size, and the flag table of the 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -201,6 +202,25 @@ def test_no_module_is_longer_than_the_guide():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def _imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_imports_no_test_tool():
+    """No ``unittest`` (``mock.patch`` swapped DeepSpeed's engine class inside ``deepspeed.initialize``)."""
+    found = {
+        str(p.relative_to(ROOT)): sorted(name for name in _imported(p) if name.split(".")[0] == "unittest")
+        for p in PACKAGE.rglob("*.py")
+    }
+    assert not {path: names for path, names in found.items() if names}
 
 
 def test_every_flag_is_read_where_the_flag_table_says():

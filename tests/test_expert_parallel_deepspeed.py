@@ -107,6 +107,10 @@ def _side_by_side(root: str, cases: list[Case]) -> dict[str, Any]:
         ddp = _fit(DDPStrategy(), world, family, optimizer, accumulate)
         out["cases"].append({k: v for k, v in ds.items() if k not in ("trainer", "module")})
         out["cases"][-1]["ddp"] = {k: ddp[k] for k in ("losses", "weights", "held")}
+    import deepspeed
+
+    # The expert-parallel engine class stood in for DeepSpeed's during ``deepspeed.initialize`` only.
+    out["restored"] = deepspeed.DeepSpeedEngine is deepspeed.runtime.engine.DeepSpeedEngine
     if world > 2:
         return out
     out["demo"] = _demo(root, world)
@@ -174,6 +178,7 @@ def _demo(root: str, world: int) -> dict[str, Any]:
 
 def _check(ranks: list[dict[str, Any]], cases: list[Case]) -> None:
     for rank, result in enumerate(ranks):
+        assert result["restored"], rank
         for (family, optimizer, accumulate, stage), run in zip(cases, result["cases"], strict=True):
             where = f"{family}, {optimizer}, accumulate {accumulate}, ZeRO-{stage}, rank {rank}"
             reference = run["ddp"]

@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
@@ -172,8 +171,12 @@ def initialize(model: nn.Module, optimizer: Optimizer, config: dict[str, Any]) -
     :func:`engine_class`'s for this call only."""
     import deepspeed  # optional: DeepSpeed
 
-    with mock.patch.object(deepspeed, "DeepSpeedEngine", engine_class()):
+    original = deepspeed.DeepSpeedEngine
+    deepspeed.DeepSpeedEngine = engine_class()
+    try:
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    finally:
+        deepspeed.DeepSpeedEngine = original
     return engine, ds_optimizer
 
 
