@@ -3,7 +3,6 @@ of ``lightning.pytorch``, modules of a readable size, and the flag table of the 
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ def _lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     run = _lint_imports(ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 2, run.stdout[-4000:]
+    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 3, run.stdout[-4000:]
 
 
 @pytest.mark.parametrize(
@@ -48,6 +47,8 @@ def test_import_contracts_hold():
             "checkpoint/layout.py",
             "def _planted():\n    from lightning_shard.checkpoint import sharded  # noqa\n",
         ),
+        # A test tool in production code (``mock.patch`` once swapped DeepSpeed's engine class).
+        ("engines/_deepspeed_experts.py", "def _planted():\n    from unittest import mock  # noqa\n"),
     ],
 )
 def test_import_contracts_fail_on_a_planted_violation(tmp_path, module, planted):
@@ -202,25 +203,6 @@ def test_no_module_is_longer_than_the_guide():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
-
-
-def _imported(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
-def test_the_package_imports_no_test_tool():
-    """No ``unittest`` (``mock.patch`` swapped DeepSpeed's engine class inside ``deepspeed.initialize``)."""
-    found = {
-        str(p.relative_to(ROOT)): sorted(name for name in _imported(p) if name.split(".")[0] == "unittest")
-        for p in PACKAGE.rglob("*.py")
-    }
-    assert not {path: names for path, names in found.items() if names}
 
 
 def test_every_flag_is_read_where_the_flag_table_says():
