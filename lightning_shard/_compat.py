@@ -107,6 +107,13 @@ def live_process_groups() -> list[Any]:
         return live_process_groups_fallback()
 
 
+def unflatten_mesh(root: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any | None:
+    """``DeviceMesh._unflatten`` (torch >= 2.9): a view of the 1-D ``root`` as ``sizes`` named ``names``,
+    sharing its root; ``None`` where torch lacks it (the caller then builds a mesh of its own)."""
+    unflatten = getattr(root, "_unflatten", None)
+    return None if unflatten is None else unflatten(0, sizes, names)
+
+
 def fsdp_is_unsharded(module: Any) -> bool:
     """Whether an ``FSDPModule`` holds its parameters gathered right now (between unshard and reshard)."""
     try:

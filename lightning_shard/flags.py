@@ -138,7 +138,7 @@ class ShardFlags:
         1,
         "HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards the model over"
         " its own ranks (one node's, say) and gradients are all-reduced across groups.",
-        "parallel/mesh.py, core/process_groups.py",
+        "parallel/dims.py, core/process_groups.py",
     )
     tensor_parallel_size: int = _flag(
         1,
@@ -158,7 +158,7 @@ class ShardFlags:
         1,
         "cut the model into this many pipeline stages (the outermost mesh dimension: ``pp x replicate x"
         " shard x tp``); the module's contract is in docs/pipeline.md.",
-        "core/transform.py, pipeline/, parallel/mesh.py",
+        "core/transform.py, pipeline/, parallel/dims.py",
     )
     pipeline_schedule: PipelineScheduleName = _flag(
         "1f1b",
@@ -186,7 +186,7 @@ class ShardFlags:
         "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
         " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
         " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
-        "parallel/mesh.py, core/process_groups.py, fabric/_context_parallel.py",
+        "parallel/dims.py, core/process_groups.py, fabric/_context_parallel.py",
     )
     context_parallel_method: ContextParallelMethod = _flag(
         "allgather",
@@ -201,7 +201,7 @@ class ShardFlags:
         " module, and tokens travel to their experts and back by all-to-all (a mesh dimension carved from the"
         " data-parallel shard one, as torchtitan's; the ranks left shard or replicate each expert block);"
         " docs/expert_parallel.md.",
-        "parallel/mesh.py, core/process_groups.py, core/transform.py",
+        "parallel/dims.py, core/process_groups.py, core/transform.py",
     )
     expert_parallel_plan: dict[str, str] | None = _flag(
         None,

@@ -44,9 +44,10 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint import TMP_SUFFIX, commit, remove
 from lightning_shard.checkpoint.storage import Location, Remote, resolve
+from lightning_shard.core.process_groups import parallel_dims
 from lightning_shard.core.processes import guarded
 from lightning_shard.flags import args_doc, takes_flags
-from lightning_shard.parallel.mesh import MeshLayout
+from lightning_shard.parallel import ParallelDims
 from lightning_shard.trainer.strategy import ShardStrategy
 
 __all__ = ["RayShardStrategy"]
@@ -115,9 +116,9 @@ class RayShardStrategy(ShardStrategy):
 
     @property
     @override
-    def layout(self) -> MeshLayout:
+    def dims(self) -> ParallelDims:
         # Ray starts one process per worker: the world is Ray's, not num_nodes x devices.
-        return MeshLayout.for_world(self.world_size, *self._mesh_sizes)
+        return parallel_dims(self.config, self.world_size)
 
     @override
     def set_world_ranks(self) -> None:
@@ -131,7 +132,7 @@ class RayShardStrategy(ShardStrategy):
         # Runs while the Trainer is built: a missing RayLightningEnvironment or a layout that does not
         # divide Ray's world fails here. Ray made the processes: no launcher.
         self._check_ray()
-        self.layout  # noqa: B018
+        self.dims  # noqa: B018
         self._launcher = None
 
     @override

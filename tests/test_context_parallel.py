@@ -16,7 +16,7 @@ from lightning_shard.context_parallel.attention import _ulysses
 from lightning_shard.context_parallel.batch import scale_loss
 from lightning_shard.core.transform import _install_context_parallel
 from lightning_shard.demos.gpt import GPT
-from lightning_shard.parallel.mesh import MeshLayout
+from lightning_shard.parallel.dims import MeshLayout
 
 
 def test_each_rank_holds_a_head_and_a_tail_chunk():

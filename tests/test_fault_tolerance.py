@@ -78,10 +78,7 @@ def test_missing_keys_come_from_the_environment(monkeypatch):
     strategy = ShardStrategy(fault_tolerance={"timeout": 30})
     assert strategy.config.fault_tolerance == FaultTolerance(1, 3, "http://lighthouse:29510", 2, 30.0)
     # Every rank of every group reads its own part of each batch, as one HSDP job over all of them would.
-    from lightning_shard.parallel.mesh import MeshLayout
-
-    layout = MeshLayout(replicate=1, shard=2, tp=1, pp=1, cp=1, ep=1)  # 2 ranks in this group
-    monkeypatch.setattr(type(strategy), "layout", property(lambda self: layout))
+    monkeypatch.setattr(type(strategy), "num_processes", property(lambda self: 2))  # 2 ranks in this group
     monkeypatch.setattr(type(strategy), "global_rank", property(lambda self: 1))
     kwargs = strategy.distributed_sampler_kwargs
     assert kwargs == {"num_replicas": 6, "rank": 3}

@@ -38,8 +38,7 @@ from lightning_shard.core.processes import (
 )
 from lightning_shard.engines import RunContext
 from lightning_shard.offload import OffloadDevice
-from lightning_shard.parallel import data_parallel_mesh, tensor_parallel_mesh
-from lightning_shard.parallel.mesh import MeshLayout
+from lightning_shard.parallel import ParallelDims, ParallelMeshes
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +50,24 @@ def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Te
     return tensor
 
 
-def pipeline_rank(mesh: Any) -> int | None:
-    """This rank's place on the mesh's ``pp`` dimension (``None`` without pipeline stages)."""
-    return mesh["pp"].get_local_rank() if "pp" in (mesh.mesh_dim_names or ()) else None
+def parallel_dims(config: ShardConfig, world_size: int) -> ParallelDims:
+    """The flags' layout of ``world_size`` ranks (a ``ValueError`` naming the flag that does not divide it)."""
+    ft = config.fault_tolerance
+    return ParallelDims.for_world(
+        world_size,
+        replicate_size=config.replicate_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        expert_parallel_size=config.expert_parallel_size,
+        replica_groups=1 if ft is None else ft.replica_groups,
+        replica_id=0 if ft is None else ft.replica_id,
+    )
 
 
 class ProcessGroups:
     """One process per device (or torchrun's / SLURM's), the process group and the device mesh (one
-    data-parallel dimension, or ``([pp,] replicate, shard, tp)``: :mod:`lightning_shard.parallel.mesh`).
+    data-parallel dimension, or ``([pp,] replicate, shard, tp)``: :mod:`lightning_shard.parallel.dims`).
 
     A mixin listed before a framework's ``ParallelStrategy`` in each door's bases, so these methods win.
     Each door names its launcher class (:attr:`launcher_class`) and its all-reduce hook (the Trainer's
@@ -75,10 +84,9 @@ class ProcessGroups:
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._context_parallel: ContextParallel | None = None
-        self._expert_mesh: Any = None  # expert parallelism's (pp, replicate, edp, ep, tp) mesh
+        self._meshes: ParallelMeshes | None = None  # every mesh of the layout, built once per world
         self._requested_backend = self.config.process_group_backend
         self._process_group_backend: str | None = self._requested_backend
-        self._device_mesh: Any = None
         self._mesh_generation = -1
         self._num_nodes = 1
         self._groups_before: set[Any] | None = None  # groups alive before this strategy made its own
@@ -131,13 +139,19 @@ class ProcessGroups:
         self._num_nodes = num_nodes
 
     @property
-    def device_mesh(self) -> Any:
-        if self._device_mesh is None:
+    def meshes(self) -> ParallelMeshes:
+        """Every mesh of the layout, by name (:class:`~lightning_shard.parallel.ParallelMeshes`)."""
+        if self._meshes is None:
             raise RuntimeError(
                 f"{type(self).__name__}.device_mesh is only available once processes have started (after the"
                 " Trainer set the model up, or after fabric.launch())."
             )
-        return self._device_mesh
+        return self._meshes
+
+    @property
+    def device_mesh(self) -> Any:
+        """The dense layers' mesh: ``("dp",)``, or ``([pp,] replicate, shard, tp)``."""
+        return self.meshes.dense
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -145,22 +159,15 @@ class ProcessGroups:
         return self._context_parallel
 
     @property
-    def layout(self) -> MeshLayout:
+    def dims(self) -> ParallelDims:
         """The world as ``pp x replicate x shard x cp x tp`` (checked against the world size before any process
         starts)."""
-        return MeshLayout.for_world(self.num_nodes * self.num_processes, *self._mesh_sizes)
+        return parallel_dims(self.config, self.num_nodes * self.num_processes)
 
     @property
-    def _mesh_sizes(self) -> tuple[int, int, int, int, int]:
-        """``(replicate, tensor-parallel, pipeline, context-parallel, expert-parallel)`` sizes, from the flags."""
-        config = self.config
-        return (
-            config.replicate_size,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.context_parallel_size,
-            config.expert_parallel_size,
-        )
+    def layout(self) -> ParallelDims:
+        """The same as :attr:`dims` (its earlier name)."""
+        return self.dims
 
     @property
     def _timeout(self) -> timedelta | None:
@@ -182,17 +189,12 @@ class ProcessGroups:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The ranks of one tensor-parallel group, and the stages of one pipeline, read the same batches.
-        layout = self.layout
-        size, rank = layout.data_parallel_size, layout.data_parallel_rank(self.global_rank)
-        ft = self.config.fault_tolerance
-        if ft is not None:  # every rank of every replica group reads its own part, as one HSDP job would
-            return {"num_replicas": size * ft.replica_groups, "rank": ft.replica_id * size + rank}
-        return {"num_replicas": size, "rank": rank}
+        return self.dims.sampler(self.global_rank)
 
     def _configure_launcher(self) -> None:
         # Runs while the Trainer / Fabric is built: sizes that do not divide the world fail before any
         # process starts.
-        self.layout  # noqa: B018
+        self.dims  # noqa: B018
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -228,18 +230,16 @@ class ProcessGroups:
                 self.cluster_environment, self._process_group_backend, self._timeout, device_id
             )
             self._timed_out = False  # a new world: an earlier one's failure is behind it
-        if self._device_mesh is None or self._mesh_generation != world_generation():
+        if self._meshes is None or self._mesh_generation != world_generation():
             if self._groups_before is None:
                 self._groups_before = set(_compat.live_process_groups())
-            self._device_mesh = self.layout.build(self.root_device.type)
-            self._context_parallel = self._build_context_parallel()
-            self._expert_mesh = self.layout.build_expert(self.root_device.type)
+            self._meshes = self.dims.build(self.root_device.type)
+            self._context_parallel = self._build_context_parallel(self._meshes.context)
             self._mesh_generation = world_generation()
         self._live_key = join_live(self, self._live_key)
         self.apply_timeout()
 
-    def _build_context_parallel(self) -> ContextParallel | None:
-        mesh = self.layout.build_context_parallel(self.root_device.type)
+    def _build_context_parallel(self, mesh: Any) -> ContextParallel | None:
         if mesh is None:
             return None
         return ContextParallel(
@@ -250,10 +250,7 @@ class ProcessGroups:
         """What an engine needs to know about these processes (:class:`~lightning_shard.engines.RunContext`)."""
         return RunContext(
             device=self.root_device,
-            mesh=data_parallel_mesh(self.device_mesh),
-            tp_mesh=tensor_parallel_mesh(self.device_mesh),
-            world_mesh=self.device_mesh,
-            expert_mesh=self._expert_mesh,
+            meshes=self.meshes,
             global_rank=self.global_rank,
             world_size=self.world_size,
             backend=str(self.process_group_backend),
@@ -282,17 +279,14 @@ class ProcessGroups:
     def _release_at_exit(self) -> None:
         """Exit: destroy the groups this strategy made (the default one too, when this package made it).
         No barrier: the other ranks may be gone."""
-        release_groups(
-            self._live_key, self._groups_before, self._destroy_world, self._device_mesh is not None
-        )
-        self._device_mesh = None
+        release_groups(self._live_key, self._groups_before, self._destroy_world, self._meshes is not None)
+        self._meshes = None
         self._context_parallel = None
-        self._expert_mesh = None
 
     @property
     def pipeline_stage(self) -> int | None:
         """This rank's pipeline stage (``None`` without pipeline stages)."""
-        return pipeline_rank(self.device_mesh)
+        return self.meshes.pipeline_stage
 
     def refuse_write_after_failure(self, path: Any) -> bool:
         """Whether a checkpoint must not be written: a collective failed before it, so the ranks no longer agree
@@ -321,7 +315,7 @@ class ProcessGroups:
         wait on until the timeout (``DDPStrategy`` has no barrier there either).
         """
         apart, self._apart = self._apart, False
-        if self._timed_out or self._device_mesh is None or apart:
+        if self._timed_out or self._meshes is None or apart:
             return
         try:
             self.barrier("teardown")

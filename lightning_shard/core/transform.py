@@ -46,12 +46,11 @@ from lightning_shard.activation_checkpointing import apply_activation_checkpoint
 from lightning_shard.compile import blocks_to_compile, compile_blocks, recompiles
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel, apply_context_parallel
-from lightning_shard.core.process_groups import ProcessGroups, pipeline_rank
+from lightning_shard.core.process_groups import ProcessGroups
 from lightning_shard.core.session import Session
 from lightning_shard.engines import Engine, engine_class
 from lightning_shard.expert_parallel import apply_expert_parallel
-from lightning_shard.parallel import apply_tensor_parallel, clip_grad_norm_
-from lightning_shard.parallel.mesh import expert_meshes
+from lightning_shard.parallel import ParallelMeshes, apply_tensor_parallel, clip_grad_norm_
 from lightning_shard.pipeline import StageRunner, keep_stage, plan_stages, stages_of_rank
 from lightning_shard.pipeline.runner import Tie
 from lightning_shard.pipeline.split import StagePlan
@@ -99,7 +98,7 @@ def prepare(
         apply_activation_checkpointing(module, config.activation_checkpointing)
         setattr(module, _CHECKPOINTED, True)
     # 2. The pipeline cut.
-    rank = pipeline_rank(processes.device_mesh)
+    rank = processes.pipeline_stage
     plan = None
     if rank is not None:
         config, plan = _cut_to_stages(module, config, rank, owner)
@@ -114,8 +113,8 @@ def prepare(
     engine.check_module(module)
     module = apply_precision(module, precision)
     apply_fp8(module, config)
-    apply_tensor_parallel_once(module, run.tp_mesh, config)
-    apply_expert_parallel_once(module, run.expert_mesh, config)
+    apply_tensor_parallel_once(module, processes.meshes, config)
+    apply_expert_parallel_once(module, processes.meshes, config)
     apply_compile(module, config, engine)
     # 4. The engine's one data-parallel wrap, and the allocation from meta.
     model = engine.setup_module(module)
@@ -141,7 +140,7 @@ def prepare(
         precision,
         processes.context_parallel,
         processes.root_device,
-        pipeline_stages=processes.layout.pp,
+        pipeline_stages=processes.dims.pp,
     )
 
 
@@ -158,26 +157,27 @@ def apply_fp8(module: nn.Module, config: ShardConfig) -> None:
         fp8.convert(module, config.fp8)
 
 
-def apply_tensor_parallel_once(module: nn.Module, tp_mesh: Any, config: ShardConfig) -> None:
+def apply_tensor_parallel_once(module: nn.Module, meshes: ParallelMeshes, config: ShardConfig) -> None:
     """``tensor_parallel_size > 1``: the layers split over the tensor-parallel mesh before FSDP2 shards over the
     data-parallel one (torch's 2-D order); a meta module is split before anything is allocated. Once per
     module (a later Trainer call finds it split)."""
+    tp_mesh = meshes.tensor_parallel
     if tp_mesh is None or getattr(module, _TP_APPLIED, False):
         return
-    experts_whole = config.expert_parallel_size > 1  # replicated over tp: expert parallelism holds them
+    experts_whole = meshes.dims.ep_enabled  # replicated over tp: expert parallelism holds them
     plan = apply_tensor_parallel(module, tp_mesh, config.tensor_parallel_plan, experts_whole)
     setattr(module, _TP_APPLIED, True)
     log.info("ShardStrategy: tensor parallel over %d ranks: %s", tp_mesh.size(), plan)
 
 
-def apply_expert_parallel_once(module: nn.Module, expert_mesh: Any, config: ShardConfig) -> None:
+def apply_expert_parallel_once(module: nn.Module, meshes: ParallelMeshes, config: ShardConfig) -> None:
     """``expert_parallel_size > 1``: each rank keeps its ``E/ep`` experts of every experts module, before compile
     and the data-parallel wrap (which shards each expert block over the ranks left). The experts' gradients are
     scaled by ``1/ep``: their local gradient sums the tokens of the whole expert-parallel group, and the
     data-parallel reduction over the ranks left then gives the mean over every rank's batch. Once per module."""
-    if expert_mesh is None or getattr(module, _EP_APPLIED, False):
+    ep_mesh = meshes.expert_parallel
+    if ep_mesh is None or getattr(module, _EP_APPLIED, False):
         return
-    ep_mesh, _ = expert_meshes(expert_mesh)
     shards = apply_expert_parallel(
         module, ep_mesh, config.expert_parallel_plan, gradient_scale=1.0 / ep_mesh.size()
     )
@@ -201,8 +201,9 @@ def prepare_precision(precision: PrecisionPolicy, processes: ProcessGroups) -> N
     """The precision policy on this rank's device (its loss scaler agrees over every rank), clipping by one
     norm over every mesh where parameters live on several ((dp, tp) and dp, or pipeline stages)."""
     precision.setup_device(processes.root_device, None)
-    if processes.layout.multi_dimensional or processes.layout.ep > 1:
-        precision.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=processes.layout.pp)
+    dims = processes.dims
+    if dims.global_clip:
+        precision.clip_grad_norm = partial(clip_grad_norm_, pipeline_stages=dims.pp)
 
 
 def _install_context_parallel(module: nn.Module, cp: ContextParallel, device_type: str, owner: str) -> None:
@@ -264,7 +265,7 @@ def _stage_runner(
         own,
         size * per_rank,
         processes.root_device,
-        processes.device_mesh["pp"].get_group(),
+        processes.meshes.pipeline.get_group(),
         config.pipeline_schedule,
         config.microbatches,
         loss_fn,

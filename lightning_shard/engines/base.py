@@ -44,6 +44,7 @@ from lightning_shard.checkpoint.init_weights import InitWeightsError, load_full_
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.config import ShardConfig
 from lightning_shard.engines._redirect import ForwardRedirection
+from lightning_shard.parallel import ParallelDims, ParallelMeshes
 from lightning_shard.precision import PrecisionPolicy
 
 PLACES = ("accelerator", "host", "nvme")
@@ -55,19 +56,27 @@ class RunContext:
     """What an engine needs to know about the processes it runs in (filled in by the strategy)."""
 
     device: torch.device
-    mesh: Any
-    """The data-parallel ``DeviceMesh``: 1-D, or ``(replicate, shard)`` for HSDP."""
+    meshes: ParallelMeshes | None
+    """Every mesh of the layout, by name (``None``: one process, no mesh)."""
     global_rank: int
     world_size: int
     backend: str
     barrier: Callable[[], None]
-    tp_mesh: Any = None
-    """The tensor-parallel ``DeviceMesh`` (``None``: tensor parallelism off)."""
-    world_mesh: Any = None
-    """The whole mesh (``(replicate, shard, tp)``, or the 1-D data-parallel one)."""
-    expert_mesh: Any = None
-    """The expert mesh ``(pp, replicate, edp, ep, tp)`` over the same ranks (``None``: expert parallelism off):
-    the experts are DTensors on its ``ep`` dimension and are sharded over the rest (``parallel.mesh``)."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout's sizes (one data-parallel dimension when there is no mesh)."""
+        return ParallelDims(1, self.world_size, 1) if self.meshes is None else self.meshes.dims
+
+    @property
+    def mesh(self) -> Any:
+        """The data-parallel ``DeviceMesh``: 1-D, or ``(replicate, shard)`` for HSDP."""
+        return None if self.meshes is None else self.meshes.data_parallel
+
+    @property
+    def world_mesh(self) -> Any:
+        """The dense layers' mesh (``([pp,] replicate, shard, tp)``, or the 1-D data-parallel one)."""
+        return None if self.meshes is None else self.meshes.dense
 
     @property
     def is_global_zero(self) -> bool:

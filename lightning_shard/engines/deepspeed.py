@@ -46,7 +46,6 @@ from lightning_shard.engines._deepspeed_precision import (
 from lightning_shard.engines._ds_ops import cpu_adam
 from lightning_shard.engines._whole_matrix import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
-from lightning_shard.parallel.mesh import expert_meshes
 
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
@@ -225,8 +224,9 @@ class DeepSpeedEngine(Engine):
         optimizer = optimizers[0]
         self._expert_groups = None
         if experts.has_experts(module):
-            assert self.run.expert_mesh is not None
-            experts.register_groups(*expert_meshes(self.run.expert_mesh))
+            meshes = self.run.meshes
+            assert meshes is not None and meshes.expert is not None
+            experts.register_groups(meshes.expert_parallel, meshes.expert_data_parallel)
             self._expert_groups = experts.split_groups(optimizer)
             optimizer = self._expert_groups.optimizer
         optimizer = cpu_adam(optimizer, self.config.offload_optimizer)
@@ -283,7 +283,8 @@ class DeepSpeedEngine(Engine):
 
         def write(tmp: Path) -> None:
             if self._expert_groups is not None:
-                experts.save(model, tmp, checkpoint, expert_meshes(self.run.expert_mesh)[1].get_local_rank())
+                assert self.run.meshes is not None
+                experts.save(model, tmp, checkpoint, self.run.meshes.expert_data_parallel.get_local_rank())
             else:
                 model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
             if matrices.whole_matrix_step(model) is not None:

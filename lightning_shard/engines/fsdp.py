@@ -51,7 +51,6 @@ from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
 from lightning_shard.expert_parallel import expert_modules
 from lightning_shard.memory import model_state_bytes
-from lightning_shard.parallel.mesh import expert_meshes
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class FSDPEngine(Engine):
         if self.stage >= 2:
             wrapped = self._fully_shard(module)
             self._materialize(module)
-            if self.run.tp_mesh is not None:
+            if self.run.dims.tp_enabled:
                 # torchao's cast at the gather reduces a weight's maximum over the data-parallel shards, not
                 # the tensor-parallel slices: the first step's scales are computed from the whole weight too.
                 self._refresh_fp8_scales(module)
@@ -158,7 +157,7 @@ class FSDPEngine(Engine):
         return model, optimizers
 
     def _fully_shard(self, module: nn.Module) -> nn.Module:
-        plain = self.run.tp_mesh is None and self.config.pipeline_parallel_size == 1
+        plain = not (self.run.dims.tp_enabled or self.run.dims.pp_enabled)
         return fully_shard_model(
             module,
             self.config,
@@ -171,10 +170,10 @@ class FSDPEngine(Engine):
 
     def _experts(self, module: nn.Module) -> tuple[list[nn.Module], Any] | None:
         """Expert parallelism: the experts modules, and the mesh their blocks are sharded or replicated over."""
-        if self.run.expert_mesh is None:
+        if not self.run.dims.ep_enabled:
             return None
-        _, data = expert_meshes(self.run.expert_mesh)
-        return expert_modules(module), data
+        assert self.run.meshes is not None
+        return expert_modules(module), self.run.meshes.expert_data_parallel
 
     def _expert_blocks(self, model: nn.Module) -> _zero.ExpertBlocks | None:
         """Stage 1 under expert parallelism: the expert blocks, whose optimizer state is partitioned over the
@@ -182,7 +181,8 @@ class FSDPEngine(Engine):
         experts = self._experts(model)
         if experts is None:
             return None
-        ep, _ = expert_meshes(self.run.expert_mesh)
+        assert self.run.meshes is not None
+        ep = self.run.meshes.expert_parallel
         modules, data = experts
         params = frozenset(p for module in modules for p in module.parameters())
         return _zero.ExpertBlocks(params, ep, data.get_group())
@@ -239,11 +239,8 @@ class FSDPEngine(Engine):
     def _replicates(self) -> bool:
         """Stage 0 runs on FSDP2's replicate() rather than DDP: with tensor parallelism (DTensor parameters)
         and with pipeline stages (DDP's reducer cannot follow a schedule's backward per microbatch)."""
-        return (
-            self.run.tp_mesh is not None
-            or self.config.pipeline_parallel_size > 1
-            or self.run.expert_mesh is not None
-        )
+        dims = self.run.dims
+        return dims.tp_enabled or dims.pp_enabled or dims.ep_enabled
 
     def post_backward(self, model: nn.Module, manual: bool) -> None:
         if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):

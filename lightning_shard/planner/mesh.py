@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_shard.parallel.mesh import check_world
+from lightning_shard.parallel.dims import check_world
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.layout import Layout, LayoutOption
 from lightning_shard.planner.memory import Breakdown, Setting, breakdown, cheapest
