@@ -14,6 +14,7 @@ from lightning_shard.context_parallel import (
 )
 from lightning_shard.context_parallel.attention import _ulysses
 from lightning_shard.context_parallel.batch import scale_loss
+from lightning_shard.core.session import Session
 from lightning_shard.core.transform import _install_context_parallel
 from lightning_shard.demos.gpt import GPT
 from lightning_shard.parallel.dims import MeshLayout
@@ -112,12 +113,13 @@ def test_fabric_cuts_the_batch_it_is_handed_and_weights_the_loss_until_the_cut_e
     cp = strategy._context_parallel = ContextParallel(None, 2, 1, "allgather")  # as fabric.launch builds it
     with pytest.raises(RuntimeError, match="which fabric.setup installs: set the model up first"):
         strategy.cut_batch(batch)
-    strategy._module = torch.nn.Identity()  # as fabric.setup leaves it
+    strategy._module = torch.nn.Identity()  # as fabric.setup leaves it, with its session
+    strategy._session = Session(strategy._module, None, strategy.config, None, None, cp, torch.device("cpu"))
     part = strategy.cut_batch(batch)
     assert part["input_ids"][0].tolist() == [2, 3, 4, 5] and part["shift_labels"][0].tolist() == [3, 4, 5, 6]
     assert cp.active and cp.seq_len == 8
     assert strategy.loss_weight == pytest.approx(2 * 8 / 12)
-    assert strategy._weigh_loss(torch.tensor(3.0)).item() == pytest.approx(3 * 2 * 8 / 12)
+    assert strategy._session.weigh(torch.tensor(3.0)).item() == pytest.approx(3 * 2 * 8 / 12)
     with pytest.raises(
         ValueError,
         match=r"ShardFabricStrategy\(context_parallel_size=2\) cuts each sequence.*length 6 is not divisible by 4",

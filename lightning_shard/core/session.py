@@ -28,7 +28,7 @@ from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import ContextParallel
 from lightning_shard.context_parallel.batch import cut_for_rank, cut_pair, gather_outputs
 from lightning_shard.core.nonfinite import NonFiniteGuard
-from lightning_shard.engines import Engine, TrainSettings
+from lightning_shard.engines import Engine, ReplicaSync, TrainSettings
 from lightning_shard.parallel import clip_grad_norm_
 from lightning_shard.pipeline import StageRunner
 from lightning_shard.precision import PrecisionPolicy
@@ -57,6 +57,11 @@ class Session:
     guard: NonFiniteGuard | None = None
     """``skip_nonfinite=True``: the steps skipped together on every rank."""
     _held: list[tuple[Tensor, Tensor | None]] | None = field(default=None, repr=False)
+    loss_weight: float = 1.0
+    """What a loop's backward multiplies the loss by after :meth:`cut_batch`: this rank's share of the cut
+    batch's targets (1 outside a cut batch)."""
+    cut_by_loop: bool = False
+    """Whether the loop cut the batch itself (:meth:`cut_batch`): pipeline steps, which cut it, then refuse."""
 
     def __post_init__(self) -> None:
         if self.guard is None and self.config.skip_nonfinite:
@@ -83,6 +88,18 @@ class Session:
         batch, weight = cut_for_rank(cp, args[0], owner=owner)
         return (batch, *args[1:]), weight
 
+    def cut_batch(self, batch: Any, owner: str) -> Any:
+        """A loop's own cut (Fabric's ``cut_batch``): :meth:`cut` of one batch, its weight kept for
+        :meth:`weigh` until :meth:`end_cut`; a batch that cannot be cut leaves no earlier sequence behind."""
+        self.end_cut()
+        (cut,), self.loss_weight = self.cut((batch,), owner=owner)
+        self.cut_by_loop = True
+        return cut
+
+    def weigh(self, loss: Tensor) -> Tensor:
+        """``loss`` times :attr:`loss_weight` (the rank's share of the loop's cut batch's targets)."""
+        return loss if self.loss_weight == 1.0 else loss * self.loss_weight
+
     def call(self, module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
         """``module.<method>(...)``, routed through the wrapper's forward where the engine acts there
         (parameters gathered, gradients reduced); a framework calls ``training_step``, not ``forward``."""
@@ -97,10 +114,15 @@ class Session:
             return output
         return gather_outputs(output, cp.seq_len, cp.group, cp.size)
 
+    def replica_sync(self) -> ReplicaSync:
+        """What fault tolerance needs of the engine for this model (its in-group reduction, its own state)."""
+        return self.engine.replica_sync(self.model)
+
     def end_cut(self) -> None:
-        """The model runs whole sequences again, as on one process."""
+        """The model runs whole sequences again, as on one process, and a loop's loss is no longer weighted."""
         if self.context_parallel is not None:
             self.context_parallel.end()
+        self.loss_weight, self.cut_by_loop = 1.0, False
 
     # --- backward and the optimizer step ---------------------------------------------------------------
 

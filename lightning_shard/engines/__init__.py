@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
+from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
 
 _ENGINES = {
     "fsdp": "lightning_shard.engines.fsdp:FSDPEngine",
@@ -29,4 +29,4 @@ def engine_class(name: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["Engine", "RunContext", "StateBytes", "TrainSettings", "engine_class"]
+__all__ = ["Engine", "ReplicaSync", "RunContext", "StateBytes", "TrainSettings", "engine_class"]

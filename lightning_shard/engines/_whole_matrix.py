@@ -380,3 +380,21 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict
         device = key.device if key.numel() else next(p for p, s in whole.stand_ins.items() if s is key).device
         optimizer.state[key] = named_state.copied_to(named_state.nested(entry), device)
     named_state.load_hyperparameters(optimizer.param_groups, state_dict["param_groups"])
+
+
+class WholeMatrixState:
+    """A whole-matrix optimizer's state (stages 2-3, tensor parallelism) as fault tolerance reads and restores it:
+    each matrix's entry on its owner, by name. Rank ``r`` of every replica group owns the same matrices, so a
+    peer's entries are this rank's to hold."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        return whole_matrix_step(optimizer) is not None
+
+    def state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return optimizer_state_dict(self.model, optimizer, full=False)
+
+    def load(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        load_optimizer_state_dict(self.model, optimizer, state)

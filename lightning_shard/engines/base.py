@@ -92,6 +92,16 @@ class TrainSettings:
     gradient_clip_algorithm: str | None = None
 
 
+@dataclass(frozen=True)
+class ReplicaSync:
+    """What fault tolerance's replica groups need of an engine (:meth:`Engine.replica_sync`)."""
+
+    within: Callable[..., Any]
+    """DDP's communication hook for the mean inside the group, before the mean over the groups (stages 0-1)."""
+    own_state: Any = None
+    """An optimizer state this rank keeps in a layout of its own (``holds``, ``state``, ``load``), or ``None``."""
+
+
 @dataclass
 class StateBytes:
     """Bytes of model state this rank holds: ``{kind: {place: bytes}}`` plus totals."""
@@ -254,6 +264,11 @@ class Engine(ABC):
         Process groups outlive it (collectives after a Trainer call, as under ``DDPStrategy``): the
         strategy destroys them at exit, through :meth:`destroy_world`.
         """
+
+    def replica_sync(self, model: nn.Module) -> ReplicaSync:
+        """The in-group reduction and the rank's own optimizer state fault tolerance builds on (engines with a
+        replicate dimension; the flags refuse ``fault_tolerance`` for the others before this is reached)."""
+        raise NotImplementedError(f"{type(self).__name__} has no replica groups (fault_tolerance).")
 
     @classmethod
     def destroy_world(cls) -> None:

@@ -48,7 +48,7 @@ from lightning_shard.engines._ddp import wrap as wrap_ddp
 from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._redirect import prepare_for_backward
-from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings
+from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
 from lightning_shard.expert_parallel import expert_modules
 from lightning_shard.memory import model_state_bytes
 
@@ -354,6 +354,10 @@ class FSDPEngine(Engine):
         ):
             held.held[kind][place] += nbytes
         return held
+
+    def replica_sync(self, model: nn.Module) -> ReplicaSync:
+        # DDP's buckets averaged inside the group through shared memory first; whole-matrix state by name.
+        return ReplicaSync(within=_shm.allreduce_hook, own_state=_whole_matrix.WholeMatrixState(model))
 
     def wait_for_checkpoints(self) -> None:
         if self.async_checkpointer is not None:

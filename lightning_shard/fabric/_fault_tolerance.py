@@ -32,8 +32,10 @@ from lightning_shard.fault_tolerance.replicas import ReplicaGroups, rng_state, s
 class FabricReplicas:
     """The replica group of a Fabric loop's set-up model and optimizers."""
 
-    def __init__(self, strategy: Any, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        self.replicas: ReplicaGroups = join_groups(strategy, model, optimizers, "ShardFabricStrategy")
+    def __init__(self, strategy: Any, optimizers: list[Optimizer]) -> None:
+        session = strategy._running()
+        model = session.model
+        self.replicas: ReplicaGroups = join_groups(strategy, session, optimizers)
         self.replicas.extra_state, self.replicas.load_extra = self._extra, self._load_extra
         self._state: dict[str, Any] | None = None  # the loop's, once it joined
         self._keys: list[str] = []  # its entries a peer sends (read at each heal: the loop rebinds them)
@@ -97,7 +99,7 @@ def join(
         return None
     if previous is not None:
         previous.detach()
-    return FabricReplicas(strategy, strategy._running().model, optimizers)
+    return FabricReplicas(strategy, optimizers)
 
 
 def join_replica_groups(replicas: FabricReplicas | None, state: dict[str, Any]) -> None:

@@ -20,10 +20,10 @@ from lightning_shard.core.transform import LossFn
 
 
 def check_pipeline_call(
-    call: str, session: Session | None, model: nn.Module, loss_fn: LossFn | None, cut_by_loop: bool
+    call: str, session: Session | None, model: nn.Module, loss_fn: LossFn | None
 ) -> LossFn:
     """``fabric.strategy.<call>(model, inputs, target)``: what must hold, and the loss of one microbatch."""
-    if cut_by_loop:
+    if session is not None and session.cut_by_loop:
         raise ValueError(
             f"fabric.strategy.{call}(model, inputs, target) cuts the sequences over the context-parallel"
             " group itself, but the loop cut a batch with fabric.strategy.cut_batch: pass the whole batch"

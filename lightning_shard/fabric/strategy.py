@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_shard import _ddp
 from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
-from lightning_shard.context_parallel.batch import cut_for_rank, group_mean
+from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core import ProcessGroups, Session, guarded, transform
 from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
@@ -88,7 +88,6 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         self._session: Session | None = None
         self._module: nn.Module | None = None  # the user's module, sharded in place or wrapped
         self._loss_fn: LossFn | None = None  # pipeline stages: the loss pipeline_step was given
-        self._cut_weight, self._cut_by_loop = 1.0, False  # context parallelism: the loop's last cut batch
         self._replicas: _fault_tolerance.FabricReplicas | None = None  # fault_tolerance, once set up
 
     @property
@@ -237,30 +236,22 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         batch (:attr:`loss_weight`). Without context parallelism the batch comes back as it is, so one loop
         serves every ``context_parallel_size`` (:mod:`._context_parallel`).
         """
-        cp = self.context_parallel
-        if not cuts(self.config, cp, self._module is not None):
+        if not cuts(self.config, self.context_parallel, self._module is not None):
             return batch
-        self.end_cut()  # a batch that cannot be cut leaves no earlier sequence behind
-        cut, self._cut_weight = cut_for_rank(cp, batch, owner="ShardFabricStrategy")
-        self._cut_by_loop = True
-        return cut
+        return self._running().cut_batch(batch, owner="ShardFabricStrategy")
 
     def end_cut(self) -> None:
         """The model runs whole sequences again, as on one process (evaluation after training, say), and
         ``fabric.backward`` stops weighting the loss, until the next :meth:`cut_batch`."""
-        if self.context_parallel is not None:
-            self.context_parallel.end()
-        self._cut_weight, self._cut_by_loop = 1.0, False
+        if self._session is not None:
+            self._session.end_cut()
 
     @property
     def loss_weight(self) -> float:
         """What ``fabric.backward`` multiplies the loss by: ``c x n_r / N`` for the last cut batch (1 for a
         tuple batch, whose chunks hold equal numbers of targets; 1 outside a cut batch). The rank's loss
         times it, averaged over the group (``fabric.all_reduce``), is the group's mean loss."""
-        return self._cut_weight
-
-    def _weigh_loss(self, loss: Tensor) -> Tensor:
-        return loss if self._cut_weight == 1.0 else loss * self._cut_weight
+        return 1.0 if self._session is None else self._session.loss_weight
 
     @guarded
     def pipeline_step(
@@ -283,7 +274,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         ``cut_batch`` cuts (do not cut them first); each rank's loss is weighted by its share of the
         targets, and the loss returned is the group's: the whole sequences' loss.
         """
-        self._loss_fn = check_pipeline_call("pipeline_step", self._session, model, loss_fn, self._cut_by_loop)
+        self._loss_fn = check_pipeline_call("pipeline_step", self._session, model, loss_fn)
         loss = self._running().pipeline_train_step(as_tuple(inputs), target, scale)
         return group_mean(self.context_parallel, loss)
 
@@ -292,9 +283,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         self, model: nn.Module, inputs: Any, target: Any, loss_fn: LossFn | None = None
     ) -> Tensor:
         """Forward only, through this rank's stages; the batch's loss on every stage."""
-        self._loss_fn = check_pipeline_call(
-            "pipeline_eval_step", self._session, model, loss_fn, self._cut_by_loop
-        )
+        self._loss_fn = check_pipeline_call("pipeline_eval_step", self._session, model, loss_fn)
         return group_mean(self.context_parallel, self._running().pipeline_eval_step(as_tuple(inputs), target))
 
     def _call_loss(self, output: Any, target: Any) -> Tensor:
@@ -308,7 +297,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         session = self._running()
         refuse_backward_under_pipeline(session)
-        tensor = self._weigh_loss(tensor)  # context parallelism: the rank's share of the cut batch's targets
+        tensor = session.weigh(tensor)  # context parallelism: the rank's share of the cut batch's targets
         tensor = self.precision.pre_backward(tensor, module)
         _fault_tolerance.before_backward(self._replicas)  # the step's quorum, unless the forward joined it
         # Fabric steps the optimizer where the user says: an engine's own backward may precede a step.

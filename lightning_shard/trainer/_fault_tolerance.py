@@ -49,7 +49,7 @@ def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
         to_window_start(trainer)
         set_rng_state(state["rng"])
 
-    replicas = join_replica_groups(strategy, strategy.model, strategy.optimizers, "ShardStrategy")
+    replicas = join_replica_groups(strategy, strategy._session, strategy.optimizers)
     replicas.extra_state, replicas.load_extra = (lambda: _trainer_state(trainer)), load_trainer_state
     replicas.leaving = lambda: (
         strategy._preemption.agreed or 0 <= trainer.max_steps <= trainer.global_step + 1
