@@ -29,6 +29,7 @@ from lightning.fabric.plugins.precision import HalfPrecision
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim import Optimizer
 
 PrecisionStr = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = get_args(PrecisionStr)
@@ -134,6 +135,21 @@ class PrecisionPolicy:
     def scale_loss(self, tensor: Tensor) -> Tensor:
         """The loss the backward starts from: multiplied by the loss scale under ``16-mixed``."""
         return self.scaler.scale(tensor) if self.scaler is not None else tensor
+
+    def unscale(self, optimizer: Optimizer) -> None:
+        """Under ``16-mixed``, divide ``optimizer``'s gradients by the loss scale (before clipping, so the norm is
+        of true gradients); the scaler remembers it did, and its step does not unscale again."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, through the loss scaler under ``16-mixed``: its inf check is all-reduced,
+        so an overflow on any rank skips the step on every rank; the scale is updated after."""
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return output
 
     def engine_clips(self, clip_val: float) -> bool:
         """Whether the engine clips inside its own step (DeepSpeed), so a door's clip must not; refuses a

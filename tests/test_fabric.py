@@ -78,7 +78,7 @@ def test_fabric_precision_becomes_the_engines_shard_precision(precision):
         strategy=ShardFabricStrategy(stage=3), accelerator="cpu", devices=2, precision=precision
     )
     plugin = fabric.strategy.precision
-    assert isinstance(plugin, FabricShardPrecision) and plugin.shard.precision == precision
+    assert isinstance(plugin, FabricShardPrecision) and plugin.policy.precision == precision
 
 
 def test_a_shard_precision_plugin_sets_the_reduction_dtype():
@@ -87,8 +87,8 @@ def test_a_shard_precision_plugin_sets_the_reduction_dtype():
     plugin = ShardPrecision("bf16-mixed", reduce_dtype=torch.bfloat16)
     fabric = L.Fabric(strategy=ShardFabricStrategy(stage=3), accelerator="cpu", devices=2, plugins=[plugin])
     # the Trainer's plugin holds a torch-level policy: Fabric's adapter takes that very policy
-    assert fabric.strategy.precision.shard is plugin.policy
-    assert fabric.strategy.precision.shard.reduce_dtype == torch.bfloat16
+    assert fabric.strategy.precision.policy is plugin.policy
+    assert fabric.strategy.precision.policy.reduce_dtype == torch.bfloat16
 
 
 def test_an_unsupported_precision_fails_when_fabric_is_built():

@@ -33,7 +33,7 @@ from lightning_shard.engines import Engine, TrainSettings, engine_class
 from lightning_shard.fabric import _checkpoint, _data, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
-from lightning_shard.fabric._precision import FabricShardPrecision, to_policy
+from lightning_shard.fabric._precision import FabricShardPrecision
 from lightning_shard.fabric._setup import (
     EngineNoSync,
     FabricLauncher,
@@ -112,17 +112,16 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         if precision is None or not hasattr(self, "config"):
             self._fabric_precision = None
             return
-        shard = self._engine_class.precision_class.from_plugin(to_policy(precision))
-        self._engine_class.check_precision(self.config.stage, shard)
-        self._fabric_precision = FabricShardPrecision(shard)
+        engine, stage = self._engine_class, self.config.stage
+        self._fabric_precision = FabricShardPrecision.for_engine(precision, engine, stage)
 
     # --- processes and engine --------------------------------------------------------------------
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        transform.prepare_precision(self.precision.shard, self)
-        self._engine = self._engine_class(self.config, self.precision.shard, self.run_context())
+        transform.prepare_precision(self.precision.policy, self)
+        self._engine = self._engine_class(self.config, self.precision.policy, self.run_context())
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -136,7 +135,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._engine_class.construction_context(self.config, self.precision.shard)
+        return self._engine_class.construction_context(self.config, self.precision.policy)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -154,7 +153,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         session = transform.prepare(
             module,
             self.config,
-            self.precision.shard,
+            self.precision.policy,
             self,
             engine=self.engine,
             loss_fn=self._call_loss,
