@@ -144,3 +144,18 @@ def test_every_rank_finds_itself_where_the_arithmetic_puts_it(monkeypatch, unfla
     for rank in {0, 1, world // 2, world - 1}:
         seen, expected = _meshes_of(rank, world, sizes, unflatten)
         assert seen == expected, (rank, sizes)
+
+
+def test_one_check_names_the_sizes_that_divide_in_the_callers_spelling():
+    from lightning_shard.units import PlanInputError
+
+    with pytest.raises(ValueError, match=r"Use a pipeline_parallel_size that divides 12 \(1, 2, 3, 4, 6 or 12:"):
+        ParallelDims.for_world(12, pipeline_parallel_size=5)
+    with pytest.raises(PlanInputError, match=r"^--expert-parallel-size 3 does not divide the 4 .*\(1, 2 or 4\)"):
+        ParallelDims.for_world(
+            8,
+            tensor_parallel_size=2,
+            expert_parallel_size=3,
+            flag=lambda name, value: f"--{name.replace('_', '-')} {value}",
+            error=PlanInputError,
+        )

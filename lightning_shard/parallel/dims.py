@@ -85,16 +85,21 @@ class ParallelDims:
         expert_parallel_size: int = 1,
         replica_groups: int = 1,
         replica_id: int = 0,
+        flag: Callable[[str, int], str] = strategy_flag,
+        world: str = "the world size",
+        error: type[ValueError] = ValueError,
     ) -> ParallelDims:
-        """The layout of ``world_size`` ranks, or a ``ValueError`` naming the flag that does not divide it."""
-        check_pipeline_world(world_size, pipeline_parallel_size)
+        """The layout of ``world_size`` ranks, or an ``error`` naming the flag that does not divide it (the
+        only check of what divides what: the strategy's, the planner's and the CLI's, ``flag`` spelling a
+        flag as their user typed it)."""
+        check_pipeline_world(world_size, pipeline_parallel_size, flag, world, error)
         stage_world = world_size // pipeline_parallel_size
-        check_world(stage_world, replicate_size, tensor_parallel_size)
+        check_world(stage_world, replicate_size, tensor_parallel_size, flag, world, error)
         check_context_parallel_world(
-            stage_world // tensor_parallel_size, replicate_size, context_parallel_size
+            stage_world // tensor_parallel_size, replicate_size, context_parallel_size, flag, error
         )
         shard = stage_world // (replicate_size * tensor_parallel_size * context_parallel_size)
-        check_expert_parallel_world(shard * context_parallel_size, expert_parallel_size)
+        check_expert_parallel_world(shard * context_parallel_size, expert_parallel_size, flag, error)
         return cls(
             replicate_size,
             shard,
@@ -274,39 +279,61 @@ class ParallelMeshes:
         return None if pipeline is None else pipeline.get_local_rank()
 
 
-def check_pipeline_world(world_size: int, pipeline_parallel_size: int) -> None:
+def divisors(n: int) -> str:
+    """The sizes that divide ``n``, for a message: ``"1, 2, 4 or 8"``."""
+    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
+
+
+def check_pipeline_world(
+    world_size: int,
+    pipeline_parallel_size: int,
+    flag: Callable[[str, int], str] = strategy_flag,
+    world: str = "the world size",
+    error: type[ValueError] = ValueError,
+) -> None:
     if world_size % pipeline_parallel_size:
-        raise ValueError(
-            f"ShardStrategy(pipeline_parallel_size={pipeline_parallel_size}) does not divide the world size"
-            f" {world_size}. Use a pipeline_parallel_size that divides {world_size} (each stage gets"
+        raise error(
+            f"{flag('pipeline_parallel_size', pipeline_parallel_size)} does not divide {world} {world_size}."
+            f" Use a pipeline_parallel_size that divides {world_size} ({divisors(world_size)}: each stage gets"
             f" world size / pipeline_parallel_size ranks)."
         )
 
 
-def check_context_parallel_world(ranks: int, replicate_size: int, context_parallel_size: int) -> None:
+def check_context_parallel_world(
+    ranks: int,
+    replicate_size: int,
+    context_parallel_size: int,
+    flag: Callable[[str, int], str] = strategy_flag,
+    error: type[ValueError] = ValueError,
+) -> None:
     """``context_parallel_size`` must divide each replica's ``ranks / replicate_size`` ranks."""
     if isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int):
-        raise ValueError(
-            f"ShardStrategy(context_parallel_size={context_parallel_size!r}) must be an integer."
-        )
+        raise error(f"{flag('context_parallel_size', repr(context_parallel_size))} must be an integer.")  # type: ignore[arg-type]
     per_replica = ranks // replicate_size
     if per_replica % context_parallel_size:
-        raise ValueError(
-            f"ShardStrategy(context_parallel_size={context_parallel_size}) does not divide the {per_replica}"
+        raise error(
+            f"{flag('context_parallel_size', context_parallel_size)} does not divide the {per_replica}"
             " data-parallel ranks of each replica (world size / tensor_parallel_size / pipeline_parallel_size /"
-            f" replicate_size). Use a context_parallel_size that divides {per_replica}."
+            f" replicate_size). Use a context_parallel_size that divides {per_replica} ({divisors(per_replica)})."
         )
 
 
-def check_expert_parallel_world(ranks: int, expert_parallel_size: int) -> None:
+def check_expert_parallel_world(
+    ranks: int,
+    expert_parallel_size: int,
+    flag: Callable[[str, int], str] = strategy_flag,
+    error: type[ValueError] = ValueError,
+) -> None:
     """``expert_parallel_size`` must divide the ``ranks`` of the mesh's shard dimension (``shard x cp``)."""
     if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int):
-        raise ValueError(f"ShardStrategy(expert_parallel_size={expert_parallel_size!r}) must be an integer.")
+        raise error(f"{flag('expert_parallel_size', repr(expert_parallel_size))} must be an integer.")  # type: ignore[arg-type]
     if ranks % expert_parallel_size:
-        raise ValueError(
-            f"ShardStrategy(expert_parallel_size={expert_parallel_size}) does not divide the {ranks} data-parallel"
+        raise error(
+            f"{flag('expert_parallel_size', expert_parallel_size)} does not divide the {ranks} data-parallel"
             " ranks that shard each replica (world size / tensor_parallel_size / pipeline_parallel_size /"
-            f" replicate_size, context-parallel ranks included). Use an expert_parallel_size that divides {ranks}."
+            f" replicate_size, context-parallel ranks included). Use an expert_parallel_size that divides {ranks}"
+            f" ({divisors(ranks)})."
         )
 
 
@@ -325,15 +352,15 @@ def check_world(
     if world_size % tensor_parallel_size:
         raise error(
             f"{flag('tensor_parallel_size', tensor_parallel_size)} does not divide {world} {world_size}."
-            f" Use a tensor_parallel_size that divides {world_size}, e.g. the number of devices of one node or"
-            " a divisor of it."
+            f" Use a tensor_parallel_size that divides {world_size} ({divisors(world_size)}), e.g. the number of"
+            " devices of one node or a divisor of it."
         )
     if (world_size // tensor_parallel_size) % replicate_size:
         rest = world_size // tensor_parallel_size
         raise error(
             f"{flag('replicate_size', replicate_size)} does not divide the {rest} data-parallel ranks"
             f" ({world} {world_size} / tensor_parallel_size {tensor_parallel_size}). Use a replicate_size"
-            f" that divides {rest}, typically the number of nodes."
+            f" that divides {rest} ({divisors(rest)}), typically the number of nodes."
         )
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_shard.parallel.dims import check_world
+from lightning_shard.parallel.dims import ParallelDims
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.layout import Layout, LayoutOption
 from lightning_shard.planner.memory import Breakdown, Setting, breakdown, cheapest
@@ -41,13 +41,15 @@ def check_sizes(
     def flag(name: str, value: int) -> str:
         return f"--{name.replace('_', '-')} {value}" if cli else f"plan({name}={value})"
 
-    world = "the world size" if cli else "world_size"
-    if world_size % pp:
-        raise PlanInputError(
-            f"{flag('pipeline_parallel_size', pp)} does not divide {world} {world_size}. Use a"
-            f" pipeline_parallel_size that divides {world_size}."
-        )
-    check_world(world_size // pp, replicate_size, tensor_parallel_size, flag, world, PlanInputError)
+    ParallelDims.for_world(
+        world_size,
+        replicate_size=replicate_size,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pp,
+        flag=flag,
+        world="the world size" if cli else "world_size",
+        error=PlanInputError,
+    )
 
 
 def fixed_setting(s: Setting, tensor_parallel_size: int, replicate_size: int, pp: int = 1) -> Setting:
