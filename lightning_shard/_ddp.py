@@ -3,8 +3,8 @@
 ``DDPStrategy(find_unused_parameters=True, static_graph=..., gradient_as_bucket_view=...,
 ddp_comm_hook=..., ddp_comm_state=..., ddp_comm_wrapper=...)``: the first kind go to
 ``DistributedDataParallel`` itself, the hooks are registered on it as Lightning registers them. A project
-moving from DDPStrategy keeps them as they are. Stages 2-3 (FSDP2) and the DeepSpeed engine have no
-DDP wrapper to pass them to: there they are an error naming the flag, not silently dropped.
+moving from DDPStrategy keeps them as they are. Where an engine has no DDP wrapper to pass them to (its
+``Capabilities.ddp_options_stages``) they are an error naming the flag, not silently dropped.
 """
 
 from __future__ import annotations
@@ -38,24 +38,6 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
             f" {', '.join(COMM_HOOK_KWARGS)}."
         )
     return strategy, ddp
-
-
-def check(ddp_kwargs: dict[str, Any], stage: Any, engine: str) -> None:
-    """Refuse DDP options where no DDP wrapper exists (stages 2-3, the DeepSpeed engine)."""
-    if not ddp_kwargs:
-        return
-    flags = ", ".join(f"{k}={v!r}" for k, v in sorted(ddp_kwargs.items()))
-    if engine != "fsdp":
-        raise ValueError(
-            f"ShardStrategy({flags}) are DistributedDataParallel options, and engine={engine!r} has no DDP"
-            " wrapper to pass them to. Use engine='fsdp' at stage 0 or 1, or drop them."
-        )
-    if stage not in (0, 1):
-        raise ValueError(
-            f"ShardStrategy({flags}) are DistributedDataParallel options, used at stages 0-1 only (got"
-            f" stage={stage!r}, where FSDP2 shards the model and no DDP wrapper exists). Use stage=0 or 1,"
-            " or drop them (FSDP2 needs no find_unused_parameters: unused parameters get no gradient)."
-        )
 
 
 def check_comm_hook(ddp_kwargs: dict[str, Any], reduce_dtype: Any) -> None:

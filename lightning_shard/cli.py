@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_shard import checkpoint
+from lightning_shard import checkpoint, engines
 from lightning_shard.checkpoint._hf_plan import refusal_cause
 from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.fault_tolerance import run_lighthouse
@@ -130,7 +130,7 @@ def _add_plan(sub: Any) -> None:
         "--activation-checkpointing", default="auto", choices=["none", "selective", "full", "auto"]
     )
     flags.add_argument(
-        "--engine", default="auto", choices=["auto", "fsdp", "deepspeed"], help="ShardStrategy(engine=...)"
+        "--engine", default="auto", choices=["auto", *engines.NAMES], help="ShardStrategy(engine=...)"
     )
     flags.add_argument(
         "--tiled-mlp", action="store_true", help="ShardStrategy(tiled_mlp=True): MLP hidden units not kept"

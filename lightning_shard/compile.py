@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 COMPILE_KWARGS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
 
 
-def check_compile(value: Any, engine: str) -> dict[str, Any] | None:
+def check_compile(value: Any) -> dict[str, Any] | None:
     """``compile=`` as ``torch.compile`` keyword arguments (``True``: defaults; ``False``/``None``: off)."""
     if value is None or value is False:
         return None

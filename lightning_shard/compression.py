@@ -49,10 +49,9 @@ def _powersgd_arguments() -> set[str]:
     return set(inspect.signature(PowerSGDState.__init__).parameters) - {"self", "process_group"}
 
 
-def check_compression(
-    value: Any, stage: Any, engine: str, checkpoint: str, tensor_parallel_size: int
-) -> dict | None:
-    """``gradient_compression=`` as ``{"method": ..., **options}``, or a ``ValueError`` naming the fix."""
+def check_compression(value: Any, checkpoint: str) -> dict | None:
+    """``gradient_compression=`` as ``{"method": ..., **options}``, or a ``ValueError`` naming the fix. Whether the
+    engine has a DDP wrapper to hook at the stage is its ``Capabilities.ddp_options_stages``."""
     if value is None:
         return None
     flag = f"ShardStrategy(gradient_compression={value!r})"
@@ -71,22 +70,6 @@ def check_compression(
         raise ValueError(
             f"{flag} has {unknown}, which PowerSGDState does not take. Use rank, start_iter or"
             f" {sorted(_powersgd_arguments())}."
-        )
-    if engine != "fsdp":
-        raise ValueError(
-            f"{flag} compresses DistributedDataParallel's all-reduce, which engine={engine!r} does not run."
-            " DeepSpeed's compressed optimizers (1-bit Adam, 0/1 Adam) need its NCCL/MPI backends and are not"
-            " wired here. Use engine='fsdp' at stage 0 or 1."
-        )
-    if stage not in (0, 1):
-        raise ValueError(
-            f"{flag} applies at stages 0-1 (DDP's all-reduce); at stage={stage!r} FSDP2 reduce-scatters"
-            " gradients with no hook. Use ShardPrecision(reduce_dtype=torch.bfloat16) there, or stage=0 or 1."
-        )
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"{flag} needs DistributedDataParallel, and with tensor_parallel_size={tensor_parallel_size} stage"
-            f" {stage} replicates through FSDP2's replicate(), which has no communication hook. Drop one."
         )
     if method == "powersgd" and checkpoint == "full":
         raise ValueError(

@@ -1,9 +1,10 @@
-"""One validated configuration: every ShardStrategy flag and every cross-flag rule, in one place.
+"""One validated configuration: every ShardStrategy flag and every engine-neutral cross-flag rule.
 
-``ShardConfig.from_flags(...)`` runs when the strategy is built, before any process starts, and is
-the only place a flag combination is accepted or refused. The engines, ``stage="auto"`` and the
-planner read the same frozen object, so the planner can only recommend what the strategy accepts
-and the installed packages can run.
+``ShardConfig.from_flags(...)`` checks the flags against each other; what the chosen engine serves is
+that engine's declaration (``engines/capabilities.py``), checked right after by ``engines.configure``, the
+one entry point both doors and the planner call when the strategy is built, before any process starts.
+The engines, ``stage="auto"`` and the planner read the same frozen object, so the planner can only
+recommend what the strategy accepts and the installed packages can run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning_shard import _ddp, offload
+from lightning_shard import offload
 from lightning_shard._modules import ModuleClassSpec, resolve_module_classes
 from lightning_shard.activation_checkpointing import ActivationCheckpointingConfig
 from lightning_shard.checkpoint.init_weights import open_weights
@@ -67,18 +68,24 @@ class ShardConfig(ShardFlags):
     @classmethod
     def from_flags(cls, ddp_kwargs: dict[str, Any] | None = None, **given: Any) -> ShardConfig:
         """Check every flag (``ShardFlags``' names) against the others; raise ``ValueError`` naming the flag,
-        value and fix (``TypeError`` for a name that is not a flag)."""
+        value and fix (``TypeError`` for a name that is not a flag).
+
+        ``engine`` must name the engine already chosen: ``lightning_shard.engines.configure`` resolves
+        ``engine="auto"`` from the engines' declarations, calls this, then checks the result against the
+        chosen engine's (``engines/capabilities.py``).
+        """
         flags = ShardFlags(**given)
         values = {name: getattr(flags, name) for name in FLAG_NAMES}
         stage = flags.stage  # narrowed below (stage='auto' with parameter offload is stage 3)
-        _check_scalars(stage, flags.engine, flags.checkpoint, flags.async_checkpoint, flags.max_skipped)
+        if flags.engine == "auto":
+            raise ValueError(
+                "ShardConfig.from_flags(engine='auto') needs the engine chosen first: build the configuration with"
+                " lightning_shard.engines.configure(...), which chooses it from the engines' declarations."
+            )
+        _check_scalars(stage, flags.checkpoint, flags.async_checkpoint, flags.max_skipped)
         # With stage="auto", offload flags are checked as at stage 3, where every one of them is allowed.
-        engine_name = offload.validate(
-            3 if stage == "auto" else stage,
-            flags.offload_optimizer,
-            flags.offload_params,
-            flags.nvme_path,
-            flags.engine,
+        offload.validate(
+            3 if stage == "auto" else stage, flags.offload_optimizer, flags.offload_params, flags.nvme_path
         )
         if stage == "auto" and flags.offload_params is not None:
             stage = 3  # parameter offload exists only at stage 3: nothing left to choose
@@ -89,36 +96,17 @@ class ShardConfig(ShardFlags):
                     " Drop device_memory or set stage='auto'."
                 )
             parse_size(flags.device_memory, "ShardStrategy(device_memory)")
-        if engine_name == "deepspeed" and (flags.async_checkpoint or flags.skip_nonfinite):
-            flag = "async_checkpoint=True" if flags.async_checkpoint else "skip_nonfinite=True"
-            raise ValueError(
-                f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen for engine={flags.engine!r},"
-                f" offload_optimizer={flags.offload_optimizer!r}, offload_params={flags.offload_params!r}). DeepSpeed writes"
-                " its own checkpoints and skips fp16 overflow steps itself; use the FSDP2 engine for this flag."
-            )
-        if engine_name == "deepspeed" and flags.checkpoint == "full":
-            raise ValueError(
-                "ShardStrategy(checkpoint='full') is not available with the DeepSpeed engine, which writes its own"
-                " per-rank checkpoint directory. Use checkpoint='sharded' (then `lightning-shard consolidate` makes"
-                " one file), or engine='fsdp'."
-            )
         checkpointing = ActivationCheckpointingConfig.from_flag(
             flags.activation_checkpointing, "ShardStrategy(activation_checkpointing=...)"
         )
-        _check_checkpointing(stage, engine_name, checkpointing)
         _check_init_weights(flags.init_weights)
-        plan = _check_layout(
-            stage, engine_name, flags.replicate_size, flags.tensor_parallel_size, flags.tensor_parallel_plan
-        )
-        _ddp.check(ddp_kwargs or {}, stage, engine_name)
+        plan = _check_layout(flags.replicate_size, flags.tensor_parallel_size, flags.tensor_parallel_plan)
         _check_context_parallel(flags.context_parallel_size, flags.context_parallel_method)
-        _check_expert_parallel(flags, stage, engine_name)
+        _check_expert_parallel(flags)
         _check_tiling(flags.tiled_mlp, flags.tiled_loss, flags.pipeline_parallel_size)
-        compile_kwargs = check_compile(flags.compile, engine_name)
-        fp8 = check_fp8(flags.fp8, engine_name, stage, flags.tensor_parallel_size)
-        compression = check_compression(
-            flags.gradient_compression, stage, engine_name, flags.checkpoint, flags.tensor_parallel_size
-        )
+        compile_kwargs = check_compile(flags.compile)
+        fp8 = check_fp8(flags.fp8, stage, flags.tensor_parallel_size)
+        compression = check_compression(flags.gradient_compression, flags.checkpoint)
         if compression is not None and (ddp_kwargs or {}).get("ddp_comm_hook") is not None:
             raise ValueError(
                 f"ShardStrategy(gradient_compression={flags.gradient_compression!r}) and ddp_comm_hook=... both set how"
@@ -130,12 +118,10 @@ class ShardConfig(ShardFlags):
             flags.microbatches,
             flags.stages_per_rank,
             flags.pipeline_split_points,
-            engine_name,
             flags.checkpoint,
         )
         values.update(
             stage=stage,
-            engine=engine_name,
             shard_modules=resolve_module_classes(flags.shard_modules, "ShardStrategy(shard_modules=...)"),
             activation_checkpointing=checkpointing,
             init_weights=None if flags.init_weights is None else str(flags.init_weights),
@@ -148,24 +134,18 @@ class ShardConfig(ShardFlags):
             gradient_compression=compression,
             matrix_optimizer=_check_matrix_optimizer(flags.matrix_optimizer),
             fault_tolerance=_check_fault_tolerance(
-                flags, stage, engine_name, (ddp_kwargs or {}).get("ddp_comm_hook") is not None
+                flags, stage, (ddp_kwargs or {}).get("ddp_comm_hook") is not None
             ),
         )
         return cls(**values, ddp_kwargs=dict(ddp_kwargs or {}))
 
     def replace(self, **changes: Any) -> ShardConfig:
-        """A copy with ``changes`` (``stage="auto"`` resolved at setup, say), checked again."""
+        """A copy with ``changes`` (``stage="auto"`` resolved at setup, say), its engine-neutral rules checked
+        again; the caller checks it against the engine's declaration (``engines.capabilities.check``)."""
         if "stage" in changes and changes["stage"] not in STAGES:
             raise ValueError(f"ShardConfig.replace(stage={changes['stage']!r}) is not a ZeRO stage.")
         changed = dataclasses.replace(self, **changes)
-        _check_checkpointing(changed.stage, changed.engine, changed.activation_checkpointing)
-        _check_layout(
-            changed.stage,
-            changed.engine,
-            changed.replicate_size,
-            changed.tensor_parallel_size,
-            changed.tensor_parallel_plan,
-        )
+        _check_layout(changed.replicate_size, changed.tensor_parallel_size, changed.tensor_parallel_plan)
         return changed
 
     @property
@@ -178,47 +158,16 @@ class ShardConfig(ShardFlags):
         return self.stage
 
 
-def _check_checkpointing(stage: Any, engine: str, checkpointing: Any) -> None:
-    policy = getattr(checkpointing, "policy", None)
-    if engine == "deepspeed" and stage == 3 and policy == "selective":
-        # ZeRO-3 gathers parameters inside the checkpointed region; the selective policy's saved ops
-        # then no longer line up with what the recompute runs.
-        raise ValueError(
-            "ShardStrategy(stage=3, engine='deepspeed', activation_checkpointing='selective') cannot run:"
-            " DeepSpeed ZeRO-3 gathers parameters inside each block, which selective recompute cannot replay."
-            " Use activation_checkpointing='full', or engine='fsdp' for selective checkpointing at stage 3."
-        )
-
-
-def _check_layout(stage: Any, engine: str, replicate: Any, tp: Any, plan: Any) -> dict[str, Any] | None:
-    """``replicate_size`` / ``tensor_parallel_size`` / ``tensor_parallel_plan`` against each other and the
-    rest (whether they divide the world size is checked once the Trainer knows it)."""
+def _check_layout(replicate: Any, tp: Any, plan: Any) -> dict[str, Any] | None:
+    """``replicate_size`` / ``tensor_parallel_size`` / ``tensor_parallel_plan`` against each other (the stages
+    that serve them are the engine's ``Capabilities.dims``; whether they divide the world size is checked once
+    the Trainer knows it)."""
     for flag, value in (("replicate_size", replicate), ("tensor_parallel_size", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(
                 f"ShardStrategy({flag}={value!r}) must be an integer >= 1 (1: off). The world of W ranks is laid"
                 " out as W = replicate_size x shard x tensor_parallel_size."
             )
-    if engine == "deepspeed" and (tp > 1 or replicate > 1):
-        flag = f"tensor_parallel_size={tp}" if tp > 1 else f"replicate_size={replicate}"
-        raise ValueError(
-            f"ShardStrategy({flag}) is not available with the DeepSpeed engine (chosen by engine= or by NVMe /"
-            " optimizer-only CPU offload). Use engine='fsdp': FSDP2 composes with torch tensor parallelism and"
-            " runs HSDP (offload_params='cpu' works there); DeepSpeed's own tensor parallelism (AutoTP) and"
-            " hierarchical partitioning are not wired to these flags."
-        )
-    if replicate > 1 and stage in (0, 1):
-        raise ValueError(
-            f"ShardStrategy(stage={stage}, replicate_size={replicate}): replica groups (HSDP) need stage 2 or 3;"
-            f" at stage {stage} every data-parallel rank already holds a full replica of the parameters. Use"
-            " stage=2 or stage=3, or drop replicate_size."
-        )
-    if tp > 1 and stage == 1:
-        raise ValueError(
-            f"ShardStrategy(stage=1, tensor_parallel_size={tp}) cannot run: ZeroRedundancyOptimizer does not"
-            " take tensor-parallel (DTensor) parameters. Use stage=2 (optimizer state and gradients sharded,"
-            " the same all-reduce volume as stage 1) or stage=0."
-        )
     checked = check_plan_flag(plan)
     if checked is not None and tp == 1:
         raise ValueError(
@@ -247,7 +196,7 @@ def _check_context_parallel(size: Any, method: Any) -> None:
             )
 
 
-def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
+def _check_expert_parallel(flags: ShardFlags) -> None:
     size, plan = flags.expert_parallel_size, flags.expert_parallel_plan
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(
@@ -268,15 +217,6 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
                 " expert_parallel_size, or drop the plan."
             )
         return
-    if engine == "deepspeed" and stage not in (1, 2):
-        raise ValueError(
-            f"ShardStrategy(expert_parallel_size={size}, engine='deepspeed', stage={stage!r}) is not available:"
-            " under the DeepSpeed engine the experts are DeepSpeed MoE parameters of ZeRO-1/2, whose optimizer"
-            " partitions each block over the ranks that hold it (ZeRO-3 has no expert parallelism; at stage 0 its clip"
-            " norm counts only the rank's own experts and its checkpoint holds rank 0's optimizer state; 'auto'"
-            " could choose either). Use stage=1 or 2 with"
-            " engine='deepspeed', or engine='fsdp' at stage 0, 1, 2 or 3 (docs/expert_parallel.md)."
-        )
     if flags.gradient_compression is not None:
         raise ValueError(
             f"ShardStrategy(expert_parallel_size={size}, gradient_compression) is not available: with expert"
@@ -286,18 +226,11 @@ def _check_expert_parallel(flags: ShardFlags, stage: Any, engine: str) -> None:
         )
 
 
-def _check_fault_tolerance(
-    flags: ShardFlags, stage: Any, engine: str, ddp_hook: bool
-) -> FaultTolerance | None:
+def _check_fault_tolerance(flags: ShardFlags, stage: Any, ddp_hook: bool) -> FaultTolerance | None:
     ft = FaultTolerance.from_flag(flags.fault_tolerance)
     if ft is None:
         return None
     given = "ShardStrategy(fault_tolerance=...,"
-    if engine == "deepspeed":
-        raise ValueError(
-            f"{given} engine='deepspeed') is not available: DeepSpeed has no elastic replicate dimension (its"
-            " gradient reduction spans one fixed world). Use engine='fsdp'."
-        )
     if stage == "auto":
         raise ValueError(
             f"{given} stage='auto') is not available: every replica group must shard alike, and 'auto' plans"
@@ -351,16 +284,12 @@ def _check_init_weights(path: Any) -> None:
     open_weights(path).close()  # an unreadable or unsupported file fails here, before any process starts
 
 
-def _check_scalars(
-    stage: Any, engine: str, checkpoint: str, async_checkpoint: bool, max_skipped: Any
-) -> None:
+def _check_scalars(stage: Any, checkpoint: str, async_checkpoint: bool, max_skipped: Any) -> None:
     if stage != "auto" and (isinstance(stage, bool) or stage not in STAGES):
         raise ValueError(
             f"ShardStrategy(stage={stage!r}) is not a ZeRO stage. Use 0 (DDP), 1 (optimizer state sharded),"
             " 2 (+ gradients), 3 (+ parameters), or 'auto' (planned from the model and device memory)."
         )
-    if engine not in ("auto", "fsdp", "deepspeed"):
-        raise ValueError(f"ShardStrategy(engine={engine!r}) is unknown. Use 'auto', 'fsdp' or 'deepspeed'.")
     if checkpoint not in ("sharded", "full"):
         raise ValueError(
             f"ShardStrategy(checkpoint={checkpoint!r}) is unknown. Use 'sharded' (one shard per rank, a directory)"

@@ -108,7 +108,7 @@ class Fp8Settings:
         return dataclasses.replace(config, **changes)
 
 
-def check_fp8(value: Any, engine: str, stage: Any, tensor_parallel_size: int) -> Fp8Settings | None:
+def check_fp8(value: Any, stage: Any, tensor_parallel_size: int) -> Fp8Settings | None:
     """``fp8=`` as :class:`Fp8Settings` (``False`` / ``None``: off); ``ValueError`` naming the fix."""
     if value is None or value is False:
         return None
@@ -130,12 +130,6 @@ def check_fp8(value: Any, engine: str, stage: Any, tensor_parallel_size: int) ->
         raise ValueError(
             f"ShardStrategy(fp8={value!r}) has {unknown}, which are not fp8 options. Use keys of"
             f" {list(_OWN_KEYS + TORCHAO_OPTIONS)}."
-        )
-    if engine == "deepspeed":
-        raise ValueError(
-            f"ShardStrategy(fp8={value!r}) is not available with the DeepSpeed engine (chosen by engine= or by"
-            " NVMe / optimizer-only CPU offload): its fp8 path is not wired to this flag, and its ZeRO-3 gathers"
-            " cannot carry torchao's float8 weights. Use engine='fsdp' (offload_params='cpu' works there)."
         )
     recipe = given.pop("recipe", "tensorwise")
     if recipe not in RECIPES:

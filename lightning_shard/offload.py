@@ -27,9 +27,10 @@ SWAP_DIRNAME = "lightning_shard_swap"
 
 
 def validate(
-    stage: int, offload_optimizer: str | None, offload_params: str | None, nvme_path: str | None, engine: str
-) -> str:
-    """Check the offload flags against each other; return the engine that will serve them."""
+    stage: int, offload_optimizer: str | None, offload_params: str | None, nvme_path: str | None
+) -> None:
+    """Check the offload flags against each other (which engine serves the pair is the engines' declaration,
+    ``Capabilities.offload``)."""
     for flag, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
         if value not in _DEVICES:
             raise ValueError(
@@ -62,30 +63,23 @@ def validate(
             f"ShardStrategy(nvme_path={nvme_path!r}) is set but nothing is offloaded to 'nvme'."
             " Set offload_optimizer='nvme' / offload_params='nvme', or drop nvme_path."
         )
-    fsdp_can_serve = (offload_optimizer, offload_params) in ((None, None), ("cpu", "cpu"))
-    if engine == "fsdp" and not fsdp_can_serve:
-        raise ValueError(
-            f"ShardStrategy(engine='fsdp', offload_optimizer={offload_optimizer!r}, offload_params={offload_params!r})"
-            " cannot be served by FSDP2, which offloads parameters and optimizer state together to CPU only"
-            " (stage 3, both 'cpu'). Use engine='deepspeed' (or 'auto')."
-        )
-    chosen = engine if engine != "auto" else ("fsdp" if fsdp_can_serve else "deepspeed")
-    if chosen == "deepspeed":
-        require_deepspeed()
     if uses_nvme:
         assert nvme_path is not None
         check_nvme_path(nvme_path)
         require_libaio()
-    return chosen
+
+
+#: The refusal when a flag needs DeepSpeed and it is not installed (the DeepSpeed engine's ``requires``).
+DEEPSPEED_MISSING = (
+    "ShardStrategy needs DeepSpeed for these flags (engine='deepspeed', NVMe offload, or optimizer-only CPU"
+    " offload), and it is not installed. Run: pip install setuptools && pip install --no-build-isolation 'lightning-shard[deepspeed]'"
+    " (after torch)."
+)
 
 
 def require_deepspeed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
-        raise ValueError(
-            "ShardStrategy needs DeepSpeed for these flags (engine='deepspeed', NVMe offload, or optimizer-only CPU"
-            " offload), and it is not installed. Run: pip install setuptools && pip install --no-build-isolation 'lightning-shard[deepspeed]'"
-            " (after torch)."
-        )
+        raise ValueError(DEEPSPEED_MISSING)
 
 
 def check_nvme_path(nvme_path: str, need_bytes: int = 0) -> Path:

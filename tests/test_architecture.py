@@ -239,6 +239,49 @@ def test_the_docs_flag_table_is_the_one_derived_from_the_flags():
     assert flag_table() in docs, "docs/architecture.md: paste the output of `python -m lightning_shard.flags`"
 
 
+def engine_name_comparisons(package: Path) -> list[str]:
+    """``file:line`` of each comparison, outside ``engines/``, with a registered engine's name as a string
+    constant (``engine == "deepspeed"``, ``engine in ("fsdp", ...)``): callers ask the engine's declaration."""
+    import ast
+
+    from lightning_shard.engines import NAMES
+
+    def names_an_engine(node: ast.expr) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_an_engine(element) for element in node.elts)
+        return isinstance(node, ast.Constant) and node.value in NAMES
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "engines":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(map(names_an_engine, [node.left, *node.comparators])):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    return found
+
+
+def test_nothing_outside_the_engines_compares_an_engine_name():
+    # What an engine supports is its ``capabilities`` (lightning_shard/engines/capabilities.py).
+    assert engine_name_comparisons(PACKAGE) == []
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "def _planted(engine):\n    return engine == 'deepspeed'\n",
+        "def _planted(engine):\n    return engine not in ('auto', 'fsdp')\n",
+    ],
+)
+def test_a_planted_engine_name_comparison_is_found(tmp_path, planted):
+    shutil.copytree(PACKAGE, tmp_path / "lightning_shard", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "lightning_shard" / "config.py", "a") as file:
+        file.write("\n" + planted)
+    assert [place.split(":")[0] for place in engine_name_comparisons(tmp_path / "lightning_shard")] == [
+        "config.py"
+    ]
+
+
 if __name__ == "__main__":  # run by _trainer_code_reached_in on a copy of the package
     print(json.dumps(trainer_code_reached(sys.argv[1])))
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_shard import ShardStrategy, fp8
-from lightning_shard.config import ShardConfig
+from lightning_shard.engines import configure
 from lightning_shard.fp8 import Fp8Settings, check_fp8, choose, convert, large_enough
 from tests.helpers import tiny_gpt
 
@@ -33,18 +33,18 @@ class _Net(nn.Module):
 
 
 def test_flag_forms():
-    config = ShardConfig.from_flags(stage=3, fp8=True)
+    config = configure(stage=3, fp8=True)
     assert config.fp8 == Fp8Settings(all_gather=True)
-    assert ShardConfig.from_flags(stage=3, fp8=False).fp8 is None
-    rowwise = ShardConfig.from_flags(stage=3, fp8="rowwise").fp8
+    assert configure(stage=3, fp8=False).fp8 is None
+    rowwise = configure(stage=3, fp8="rowwise").fp8
     assert rowwise is not None and rowwise.recipe == "rowwise" and not rowwise.all_gather
-    assert not ShardConfig.from_flags(stage=0, fp8=True).fp8.all_gather  # type: ignore[union-attr]
+    assert not configure(stage=0, fp8=True).fp8.all_gather  # type: ignore[union-attr]
     given = {"skip": "blocks.0.*", "pad_inner_dim": True, "enable_fsdp_float8_all_gather": False}
-    settings = ShardConfig.from_flags(stage=2, fp8=given).fp8
+    settings = configure(stage=2, fp8=given).fp8
     assert settings == Fp8Settings(skip=("blocks.0.*",), options=(("pad_inner_dim", True),))
     assert settings.torchao_config().pad_inner_dim  # type: ignore[union-attr]
     assert ShardStrategy(stage=3, fp8="tensorwise").config.fp8 is not None
-    assert ShardConfig.from_flags(stage=3, fp8=True, tensor_parallel_size=2).fp8.all_gather  # type: ignore[union-attr]
+    assert configure(stage=3, fp8=True, tensor_parallel_size=2).fp8.all_gather  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_flag_forms():
 )
 def test_refused(flags, match):
     with pytest.raises(ValueError, match=match):
-        ShardConfig.from_flags(**{"stage": 3, **flags})
+        configure(**{"stage": 3, **flags})
 
 
 def test_refused_without_torchao(monkeypatch):
@@ -85,7 +85,7 @@ def test_refused_without_torchao(monkeypatch):
     with pytest.raises(
         ValueError, match=r"needs torchao, which is not installed: pip install 'lightning-shard\[fp8\]'"
     ):
-        check_fp8(True, "fsdp", 3, 1)
+        check_fp8(True, 3, 1)
 
 
 def test_size_rule():
@@ -134,7 +134,7 @@ def test_tensor_parallel_styles_for_float8_layers():
         model = tiny_gpt().model
         for linear in (model.blocks[0].attn.qkv, model.blocks[0].attn.proj):
             linear.bias = None
-        convert(model, check_fp8({"recipe": recipe, "filter": "all"}, "fsdp", 0, 2))  # type: ignore[arg-type]
+        convert(model, check_fp8({"recipe": recipe, "filter": "all"}, 0, 2))  # type: ignore[arg-type]
         chosen = to_styles(model, resolve_plan(model, None, 2), float8_wire)  # the GPT's plan: sequence split
         return {name: type(style) for name, style in chosen.items() if name.endswith(("qkv", "proj"))}
 

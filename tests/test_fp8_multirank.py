@@ -221,7 +221,7 @@ def _one_process(
     if fp8:
         from lightning_shard.fp8 import check_fp8, convert
 
-        convert(model, check_fp8(flag, "fsdp", 0, 1))  # type: ignore[arg-type]
+        convert(model, check_fp8(flag, 0, 1))  # type: ignore[arg-type]
     recorder = LossRecorder()
     trainer = L.Trainer(
         devices=1,

@@ -149,9 +149,13 @@ def test_every_rank_finds_itself_where_the_arithmetic_puts_it(monkeypatch, unfla
 def test_one_check_names_the_sizes_that_divide_in_the_callers_spelling():
     from lightning_shard.units import PlanInputError
 
-    with pytest.raises(ValueError, match=r"Use a pipeline_parallel_size that divides 12 \(1, 2, 3, 4, 6 or 12:"):
+    with pytest.raises(
+        ValueError, match=r"Use a pipeline_parallel_size that divides 12 \(1, 2, 3, 4, 6 or 12:"
+    ):
         ParallelDims.for_world(12, pipeline_parallel_size=5)
-    with pytest.raises(PlanInputError, match=r"^--expert-parallel-size 3 does not divide the 4 .*\(1, 2 or 4\)"):
+    with pytest.raises(
+        PlanInputError, match=r"^--expert-parallel-size 3 does not divide the 4 .*\(1, 2 or 4\)"
+    ):
         ParallelDims.for_world(
             8,
             tensor_parallel_size=2,

@@ -472,11 +472,10 @@ def test_auto_stage_picks_only_a_stage_the_engine_accepts(precision):
     """``stage="auto"`` with DeepSpeed (chosen by optimizer-only offload) and fp16 must not pick stage 0."""
     from types import SimpleNamespace
 
-    from lightning_shard.config import ShardConfig
-    from lightning_shard.engines import engine_class
+    from lightning_shard.engines import configure, engine_class
     from lightning_shard.planner import auto_stage
 
-    config = ShardConfig.from_flags(stage="auto", offload_optimizer="cpu", device_memory="1TB")
+    config = configure(stage="auto", offload_optimizer="cpu", device_memory="1TB")
     engine = engine_class(config.engine)
     strategy = SimpleNamespace(
         config=config,
@@ -530,9 +529,9 @@ ACTS_70B_4096 = 4096 * (71 * BLOCK_70B + OUTSIDE_70B)  # one micro-batch of 4096
 
 
 def _mesh_strategy_builds(kwargs: dict, world_size: int) -> ShardStrategy:
-    from lightning_shard.config import ShardConfig
+    from lightning_shard.engines import configure
 
-    config = ShardConfig.from_flags(**kwargs)
+    config = configure(**kwargs)
     strategy = ShardStrategy(**kwargs)
     assert (strategy.config.replicate_size, strategy.config.tensor_parallel_size) == (
         config.replicate_size,
@@ -704,12 +703,11 @@ def test_stage_auto_with_pipeline_stages_plans_a_stage_of_the_model():
 def test_stage_auto_plans_for_the_strategys_own_mesh():
     from types import SimpleNamespace
 
-    from lightning_shard.config import ShardConfig
-    from lightning_shard.engines import engine_class
+    from lightning_shard.engines import configure, engine_class
     from lightning_shard.planner import auto_stage
 
     def choose(device_memory="1TB", **flags):
-        config = ShardConfig.from_flags(stage="auto", device_memory=device_memory, **flags)
+        config = configure(stage="auto", device_memory=device_memory, **flags)
         strategy = SimpleNamespace(
             config=config,
             lightning_module=tiny_gpt(),

@@ -14,6 +14,7 @@ import torch
 from lightning_shard.cli import main
 from lightning_shard.config import ShardConfig
 from lightning_shard.demos import GPT
+from lightning_shard.engines import configure
 from lightning_shard.planner import choose_stage, plan, shape_from_module
 from lightning_shard.planner.model import shape_from_params
 from lightning_shard.units import PlanInputError
@@ -140,7 +141,7 @@ def test_all_to_all_buffers_appear_only_with_expert_parallelism():
 
 def _accepted(line: str) -> ShardConfig:
     """The printed ``ShardStrategy(...)`` line, evaluated against the strategy's own flag check."""
-    return eval(line, {"ShardStrategy": lambda **flags: ShardConfig.from_flags(**flags)})  # noqa: S307
+    return eval(line, {"ShardStrategy": lambda **flags: configure(**flags)})  # noqa: S307
 
 
 def test_experts_that_dominate_are_split_over_every_rank_and_the_line_is_accepted():

@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from lightning_shard.checkpoint.init_weights import InitWeightsError, load_full_
 from lightning_shard.checkpoint.storage import Location
 from lightning_shard.config import ShardConfig
 from lightning_shard.engines._redirect import ForwardRedirection
+from lightning_shard.engines.capabilities import Capabilities
 from lightning_shard.parallel import ParallelDims, ParallelMeshes
 from lightning_shard.precision import PrecisionPolicy
 
@@ -130,6 +131,9 @@ def on_every_rank_init(path: str, load: Callable[[], Any]) -> None:
 class Engine(ABC):
     """One way of sharding: the strategy's only collaborator for wrapping, stepping and state."""
 
+    #: What the engine supports, declared once (:mod:`.capabilities`): the doors, the planner and the flag
+    #: checks ask it, and never compare the engine's name.
+    capabilities: ClassVar[Capabilities]
     #: ``True`` when the engine runs backward and the optimizer step itself (DeepSpeed); then it also
     #: counts accumulation micro-batches and clips from ``TrainSettings``.
     owns_step: bool = False

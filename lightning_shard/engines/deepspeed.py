@@ -37,6 +37,7 @@ from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines import _deepspeed_experts as experts
 from lightning_shard.engines import _deepspeed_matrix as matrices
+from lightning_shard.engines._deepspeed_capabilities import DEEPSPEED
 from lightning_shard.engines._deepspeed_precision import (
     COMM_DTYPES,
     DeepSpeedPrecision,
@@ -56,7 +57,8 @@ _SET_UP = "_lightning_shard_deepspeed_set_up"
 class DeepSpeedEngine(Engine):
     """Builds the DeepSpeed config from ShardStrategy's flags and drives ``deepspeed.initialize``'s engine."""
 
-    owns_step = True
+    capabilities = DEEPSPEED  # what it serves: engines/_deepspeed_capabilities.py
+    owns_step = capabilities.owns_step
     precision_class = DeepSpeedPrecision
 
     @classmethod

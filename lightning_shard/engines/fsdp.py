@@ -46,6 +46,7 @@ from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
 from lightning_shard.engines._ddp import wrap as wrap_ddp
 from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
+from lightning_shard.engines._fsdp_capabilities import FSDP
 from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
+
+    capabilities = FSDP  # what it serves: engines/_fsdp_capabilities.py
 
     compression_state: Any = None
     """``gradient_compression='powersgd'``: the hook and torch's ``PowerSGDState`` (in sharded checkpoints)."""

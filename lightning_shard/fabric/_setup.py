@@ -82,10 +82,11 @@ def refuse_trainer_only(config: ShardConfig) -> None:
 
 
 def refuse_clip_on_owned_step(config: ShardConfig, engine_class: Any, argument: str) -> None:
-    if engine_class.owns_step:
+    caps = engine_class.capabilities
+    if caps.owns_step:
         raise ValueError(
             f"fabric.clip_gradients({argument}=...) cannot reach the gradients under"
-            f" ShardFabricStrategy(engine={config.engine!r}): DeepSpeed keeps them in its own partitions"
+            f" ShardFabricStrategy(engine={config.engine!r}): {caps.label} keeps them in its own partitions"
             " and clips inside its step. Use engine='fsdp' to clip from the loop."
         )
 

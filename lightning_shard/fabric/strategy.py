@@ -29,7 +29,7 @@ from lightning_shard.core import ProcessGroups, Session, guarded, transform
 from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
 from lightning_shard.core.transform import LossFn
-from lightning_shard.engines import Engine, TrainSettings, engine_class
+from lightning_shard.engines import Engine, TrainSettings, configure, engine_class
 from lightning_shard.fabric import _checkpoint, _data, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
@@ -66,7 +66,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         flags, kwargs = bind("ShardFabricStrategy", args, kwargs)
         _, ddp_kwargs = _ddp.split_kwargs(kwargs)
-        self._init_from(ShardConfig.from_flags(ddp_kwargs=ddp_kwargs, **vars(flags)))
+        self._init_from(configure(ddp_kwargs=ddp_kwargs, **vars(flags)))
 
     __doc__ = (__doc__ or "").rstrip() + "\n\n" + args_doc() + "\n"
 

@@ -56,7 +56,6 @@ def check_pipeline_flags(
     microbatches: Any,
     stages_per_rank: Any,
     split_points: Any,
-    engine: str,
     checkpoint: str = "sharded",
 ) -> tuple[int, int, tuple[str, ...] | None]:
     """Check the pipeline flags against each other; returns ``(microbatches, stages_per_rank, split_points)``
@@ -70,7 +69,7 @@ def check_pipeline_flags(
     stages_per_rank = _check_schedule(schedule, stages_per_rank, size)
     microbatches = _check_microbatches(size, microbatches, split_points)
     _check_rounds(schedule, size, microbatches)
-    _check_combinations(size, engine, checkpoint)
+    _check_combinations(size, checkpoint)
     return microbatches, stages_per_rank, _check_split_points(split_points, size * stages_per_rank)
 
 
@@ -135,15 +134,8 @@ def _check_microbatches(size: int, microbatches: Any, split_points: Any) -> int:
     return microbatches
 
 
-def _check_combinations(size: int, engine: str, checkpoint: str) -> None:
-    """The pipeline flag against the engine and the checkpoint mode."""
-    if size > 1 and engine == "deepspeed":
-        raise ValueError(
-            f"ShardStrategy(pipeline_parallel_size={size}) is not available with the DeepSpeed engine (chosen by"
-            " engine= or by NVMe / optimizer-only CPU offload): DeepSpeed's PipelineModule needs the model"
-            " rewritten as a list of layers. Use engine='fsdp' (torch's pipeline schedules with FSDP2 in each"
-            " stage), or pipeline_parallel_size=1."
-        )
+def _check_combinations(size: int, checkpoint: str) -> None:
+    """The pipeline flag against the checkpoint mode (against the engine: its ``Capabilities.dims``)."""
     if size > 1 and checkpoint == "full":
         raise ValueError(
             f"ShardStrategy(checkpoint='full', pipeline_parallel_size={size}) cannot run: one file is gathered on"

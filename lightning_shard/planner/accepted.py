@@ -1,7 +1,7 @@
 """The planner recommends only what ``ShardStrategy`` accepts: every candidate is checked by the strategy's rules.
 
 A candidate configuration (stage, offloads, recompute, ``replicate_size``, ``tensor_parallel_size``)
-is refused when ``ShardConfig.from_flags`` refuses its flags (offload rules, DeepSpeed or libaio not
+is refused when ``engines.configure`` refuses its flags (offload rules, DeepSpeed or libaio not
 installed, a missing NVMe directory, HSDP below stage 2, TP with DeepSpeed or at stage 1) or when
 the engine those flags choose refuses the planned precision at that stage (DeepSpeed: no
 ``bf16-true``, no ``16-mixed`` at stage 0). The error message is kept as the row's reason, so the
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lightning_shard.config import ShardConfig
-from lightning_shard.engines import engine_class
+from lightning_shard.engines import configure, engine_class
 from lightning_shard.planner.memory import Breakdown, Config
 
 
@@ -38,7 +37,7 @@ class StrategyCheck:
 
     def _check(self, config: Config) -> str | None:
         try:
-            resolved = ShardConfig.from_flags(**config.strategy_kwargs(self.engine, self.nvme_path))
+            resolved = configure(**config.strategy_kwargs(self.engine, self.nvme_path))
             engine = engine_class(resolved.engine)
             engine.check_precision(config.stage, engine.precision_class(self.precision))  # type: ignore[arg-type]
         except ValueError as err:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_shard.config import ShardConfig
+from lightning_shard.engines import configure
 from lightning_shard.fp8 import choose, fits_scaled_mm, large_enough
 from lightning_shard.planner.model import ModelShape
 
@@ -21,7 +21,7 @@ def float8_gathered_params(fp8: Any, stage: int, module: nn.Module | None, shape
     """The parameters the all-gathers of ``ShardStrategy(stage=stage, fp8=fp8)`` carry in float8."""
     if fp8 is None or fp8 is False or stage < 2:
         return 0
-    settings = ShardConfig.from_flags(stage=stage, fp8=fp8).fp8
+    settings = configure(stage=stage, fp8=fp8).fp8
     if settings is None or not settings.all_gather:
         return 0
     if module is not None:

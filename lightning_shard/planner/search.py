@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_shard.engines import NAMES
 from lightning_shard.planner import mesh
 from lightning_shard.planner.accepted import StrategyCheck
 from lightning_shard.planner.experts import check_fixed, check_flags, parallel_sizes
@@ -68,7 +69,7 @@ def _validate(args: dict[str, Any]) -> None:
     _check_choice("offload_optimizer", args["offload_optimizer"], ("none", "cpu", "nvme", "auto"))
     _check_choice("offload_params", args["offload_params"], ("none", "cpu", "nvme", "auto"))
     _check_choice("activation_checkpointing", args["activation_checkpointing"], (*CHECKPOINTING, "auto"))
-    _check_choice("engine", args["engine"], ("auto", "fsdp", "deepspeed"))
+    _check_choice("engine", args["engine"], ("auto", *NAMES))
     margin = args["margin"]
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise PlanInputError(
@@ -156,7 +157,7 @@ def plan(
     ``expert_parallel_size="auto"`` weighs every e dividing E and the shard group's ranks, up to
     ``gpus_per_node``, and prefers the largest among otherwise equal configurations; an int fixes it.
 
-    Every candidate is checked by ``ShardConfig.from_flags`` and the chosen engine's precision rules
+    Every candidate is checked by ``engines.configure`` and the chosen engine's precision rules
     (with ``engine`` and ``nvme_path`` as given), so a recommendation always constructs a
     ``ShardStrategy``; refused candidates show the strategy's reason (``n/a: ...``) instead.
     """

@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
 from lightning_shard.checkpoint.storage import resolve
+from lightning_shard.engines import capabilities
 from lightning_shard.trainer._refused_callbacks import check_callbacks
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
@@ -55,6 +56,7 @@ def adapt(trainer: Any, strategy: Any) -> None:
     """Make Lightning's callbacks among ``trainer.callbacks`` report under ``strategy`` as under DDP, or raise
     ``ValueError`` for one that cannot work with its engine. Idempotent: call it at every ``setup``."""
     engine, stage = strategy.engine_name, strategy.stage
+    caps = capabilities(engine)
     if trainer.state.fn == TrainerFn.FITTING:
         # Tensor parallelism makes parameters DTensors at any stage: as at stage 3 for the averaging checks.
         check_callbacks(
@@ -64,15 +66,15 @@ def adapt(trainer: Any, strategy: Any) -> None:
             engine,
         )
         feed_throughput_monitor(trainer)  # Lightning's ThroughputMonitor logs MFU with no user code
-    if engine == "deepspeed":
-        _refuse_accumulation_schedule(trainer, f"ShardStrategy(stage={stage}, engine='deepspeed')")
+    if caps.owns_step:  # it fixes its accumulation steps when it is built
+        _refuse_accumulation_schedule(trainer, f"ShardStrategy(stage={stage}, engine={engine!r})", caps.label)
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             # Before the first step, not at the first save an hour in.
             resolve(callback.dirpath, f"{type(callback).__name__}(dirpath)")
         if isinstance(callback, ModelSummary):
             use_shard_summary(callback)
-        elif isinstance(callback, LearningRateFinder) and engine == "deepspeed":
+        elif isinstance(callback, LearningRateFinder) and not caps.torch_optimizer:
             search_on_torch_optimizer(callback)
 
 
@@ -184,7 +186,7 @@ def search_on_torch_optimizer(callback: LearningRateFinder) -> None:
 # --- GradientAccumulationScheduler ---------------------------------------------------------------------------
 
 
-def _refuse_accumulation_schedule(trainer: Any, description: str) -> None:
+def _refuse_accumulation_schedule(trainer: Any, description: str, engine_label: str) -> None:
     fixed = trainer.accumulate_grad_batches
     for callback in trainer.callbacks:
         if isinstance(callback, GradientAccumulationScheduler) and set(callback.scheduling.values()) != {
@@ -192,7 +194,7 @@ def _refuse_accumulation_schedule(trainer: Any, description: str) -> None:
         }:
             raise ValueError(
                 f"{description} cannot follow Lightning's GradientAccumulationScheduler({callback.scheduling}):"
-                " DeepSpeed fixes gradient_accumulation_steps when it builds its engine, and would step at the"
+                f" {engine_label} fixes gradient_accumulation_steps when it builds its engine, and would step at the"
                 f" boundary of accumulate_grad_batches={fixed} whatever the schedule says. Use engine='fsdp', or"
                 " one value for the whole run: Trainer(accumulate_grad_batches=N) without the callback."
             )

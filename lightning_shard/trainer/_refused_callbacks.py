@@ -25,6 +25,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
+from lightning_shard.engines import Capabilities, capabilities
+
 _FIX = (
     "Use lightning_shard.EMA(decay=...) instead: it keeps each rank's share of the average beside the weights"
     " that rank holds, and saves it with the optimizer state."
@@ -35,11 +37,12 @@ def check_callbacks(trainer: Any, strategy_description: str, stage: int, engine:
     """Raise ``ValueError`` for a Lightning callback among ``trainer.callbacks`` that cannot work here.
 
     ``strategy_description`` is how the user wrote the strategy (``"ShardStrategy(stage=3)"``); ``stage`` the
-    resolved ZeRO stage and ``engine`` the resolved engine. Tensor parallelism makes parameters DTensors at
-    any stage: pass ``stage=3`` for the same answer.
+    resolved ZeRO stage and ``engine`` the resolved engine's name. Tensor parallelism makes parameters DTensors
+    at any stage: pass ``stage=3`` for the same answer.
     """
+    caps = capabilities(engine)
     for callback in trainer.callbacks:
-        reason = _why_not(callback, stage, engine)
+        reason = _why_not(callback, stage, caps)
         if reason is not None:
             name = type(callback).__name__
             raise ValueError(
@@ -47,19 +50,16 @@ def check_callbacks(trainer: Any, strategy_description: str, stage: int, engine:
             )
 
 
-def _why_not(callback: Any, stage: int, engine: str) -> str | None:
-    if isinstance(callback, StochasticWeightAveraging):
-        if engine == "deepspeed":
-            return "it steps the optimizer through torch's SWALR, and DeepSpeed's ZeRO optimizer is not a torch Optimizer"
-        if stage >= 2:
-            return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
+def _why_not(callback: Any, stage: int, caps: Capabilities) -> str | None:
+    if not isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
         return None
-    if isinstance(callback, WeightAveraging):
-        if engine == "deepspeed":
-            return (
-                "it copies the model's parameters, which DeepSpeed partitions (ZeRO-3: size 0 on every rank), and a"
-                " run it checkpointed cannot be resumed (DeepSpeed saves the weights apart from Lightning's entries)"
-            )
-        if stage >= 2:
-            return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
+    if isinstance(callback, StochasticWeightAveraging) and not caps.torch_optimizer:
+        return f"it steps the optimizer through torch's SWALR, and {caps.label}'s ZeRO optimizer is not a torch Optimizer"
+    if isinstance(callback, WeightAveraging) and not caps.averaging_stages:
+        return (
+            f"it copies the model's parameters, which {caps.label} partitions (ZeRO-3: size 0 on every rank), and a"
+            f" run it checkpointed cannot be resumed ({caps.label} saves the weights apart from Lightning's entries)"
+        )
+    if stage not in caps.averaging_stages:
+        return f"it copies whole tensors into parameters that are FSDP2 shards (DTensor) at stage {stage}"
     return None

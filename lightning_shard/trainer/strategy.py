@@ -28,12 +28,11 @@ from typing_extensions import override
 
 from lightning_shard import _ddp
 from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
-from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel import scale_loss
 from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core import ProcessGroups, Session, guarded, transform
 from lightning_shard.core.process_groups import reduce_tensor
-from lightning_shard.engines import Engine, TrainSettings, engine_class
+from lightning_shard.engines import Engine, TrainSettings, check, configure, engine_class
 from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 from lightning_shard.flags import args_doc, bind, takes_flags
@@ -74,7 +73,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         flags, kwargs = bind("ShardStrategy", args, kwargs)
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
-        self.config = ShardConfig.from_flags(ddp_kwargs=ddp_kwargs, **vars(flags))
+        self.config = configure(ddp_kwargs=ddp_kwargs, **vars(flags))
         self._engine_class = engine_class(self.config.engine)  # asked by precision, set-up, accumulation
         super().__init__(**kwargs)
         self._session: Session | None = None
@@ -149,6 +148,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
+            check(self.config, self._engine_class.capabilities)  # what 'auto' left open, at the chosen stage
         if self.pipeline_stage is not None:
             check_contract(self._lm, self.config.pipeline_parallel_size)  # before the cut
         transform.prepare_precision(self.precision_plugin.policy, self)
