@@ -31,7 +31,7 @@ import torch
 
 from lightning_shard import checkpoint, engines
 from lightning_shard.checkpoint._hf_plan import refusal_cause
-from lightning_shard.engines._ds_ops import build_deepspeed_ops
+from lightning_shard.engines import build_deepspeed_ops
 from lightning_shard.fault_tolerance import run_lighthouse
 from lightning_shard.planner import available_device_memory, plan
 from lightning_shard.planner.experts import check_flags

@@ -197,7 +197,7 @@ class RayShardStrategy(ShardStrategy):
         # Written whole (never a link to another checkpoint: the link would name rank 0's path) and
         # waited for: the caller hands the directory to Ray as soon as this returns.
         super()._save_checkpoint(checkpoint, filepath, exception=True)
-        self.engine.wait_for_checkpoints()
+        self._engines.wait_for_checkpoints()
         if self.global_rank != 0:
             commit(tmp, path)
         self.barrier("RayShardStrategy.save_checkpoint")

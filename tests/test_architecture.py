@@ -34,7 +34,7 @@ def _lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     run = _lint_imports(ROOT)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 3, run.stdout[-4000:]
+    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 4, run.stdout[-4000:]
 
 
 @pytest.mark.parametrize(
@@ -49,6 +49,8 @@ def test_import_contracts_hold():
         ),
         # A test tool in production code (``mock.patch`` once swapped DeepSpeed's engine class).
         ("engines/_deepspeed_experts.py", "def _planted():\n    from unittest import mock  # noqa\n"),
+        # A door reaching into an engine's own module past the engines package.
+        ("fabric/_setup.py", "def _planted():\n    from lightning_shard.engines import _shm  # noqa\n"),
     ],
 )
 def test_import_contracts_fail_on_a_planted_violation(tmp_path, module, planted):
@@ -280,6 +282,38 @@ def test_a_planted_engine_name_comparison_is_found(tmp_path, planted):
     assert [place.split(":")[0] for place in engine_name_comparisons(tmp_path / "lightning_shard")] == [
         "config.py"
     ]
+
+
+def engine_calls_from_the_doors(package: Path) -> list[str]:
+    """``file:line`` of each attribute a door (``trainer/``, ``fabric/``, ``ray.py``) reads off an engine or its
+    class (``self.engine.teardown``, ``session.engine.owns_step``, ``engine_class.capabilities``): the doors
+    ask the session and the core's :class:`~lightning_shard.core.lifecycle.EngineLifecycle`."""
+    import ast
+
+    engine_names = {"engine", "_engine", "_engine_class", "engine_class"}
+    paths = [*sorted((package / "trainer").rglob("*.py")), *sorted((package / "fabric").rglob("*.py"))]
+    found = []
+    for path in [*paths, package / "ray.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute):
+                continue
+            receiver = node.value
+            name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", None)
+            if name in engine_names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {name}.{node.attr}")
+    return found
+
+
+def test_the_doors_call_no_engine_method():
+    assert engine_calls_from_the_doors(PACKAGE) == []
+
+
+def test_a_planted_engine_call_from_a_door_is_found(tmp_path):
+    shutil.copytree(PACKAGE, tmp_path / "lightning_shard", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "lightning_shard" / "trainer" / "strategy.py", "a") as file:
+        file.write("\n\ndef _planted(strategy):\n    return strategy._session.engine.teardown()\n")
+    found = engine_calls_from_the_doors(tmp_path / "lightning_shard")
+    assert [place.split(" ")[1] for place in found] == ["engine.teardown"], found
 
 
 if __name__ == "__main__":  # run by _trainer_code_reached_in on a copy of the package

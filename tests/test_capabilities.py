@@ -9,23 +9,23 @@ import pytest
 from lightning_shard.config import ShardConfig
 from lightning_shard.engines import (
     NAMES,
-    capabilities,
     check,
     choose,
     configure,
+    declared,
     engine_class,
     refusals,
 )
 from lightning_shard.flags import ShardFlags
 
-FSDP, DEEPSPEED = capabilities("fsdp"), capabilities("deepspeed")
+FSDP, DEEPSPEED = declared("fsdp"), declared("deepspeed")
 
 
 def test_every_registered_engine_declares_itself_under_its_own_name():
     assert NAMES == ("fsdp", "deepspeed")
     for name in NAMES:
         assert engine_class(name).capabilities.name == name
-        assert engine_class(name).owns_step == capabilities(name).owns_step
+        assert engine_class(name).owns_step == declared(name).owns_step
 
 
 def test_fsdp_serves_the_plain_flags_and_refuses_by_stage():

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.precision import Precision
 from torch.nn import Module
 from typing_extensions import Self, override
 
-from lightning_shard.engines.base import Engine
+from lightning_shard.engines import Engine
 from lightning_shard.precision import SUPPORTED_PRECISION, PrecisionPolicy, check_precision
 
 

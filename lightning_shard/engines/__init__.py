@@ -19,6 +19,7 @@ import importlib
 from typing import Any
 
 from lightning_shard.config import ShardConfig
+from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
 from lightning_shard.engines.capabilities import Capabilities, check, refusals
 from lightning_shard.flags import ShardFlags
@@ -38,7 +39,7 @@ def engine_class(name: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-def capabilities(name: str) -> Capabilities:
+def declared(name: str) -> Capabilities:
     """What the engine registered under ``name`` declares (its module imports no optional package)."""
     return engine_class(name).capabilities
 
@@ -52,11 +53,11 @@ def choose(flags: ShardFlags) -> Capabilities:
             f"ShardStrategy(engine={flags.engine!r}) is unknown. Use {choices} or {NAMES[-1]!r}."
         )
     if flags.engine != "auto":
-        return capabilities(flags.engine)
+        return declared(flags.engine)
     pair = (flags.offload_optimizer, flags.offload_params)
-    declared = [capabilities(name) for name in NAMES]
+    found = [declared(name) for name in NAMES]
     # A pair no engine serves is not an offload target at all: from_flags refuses it, whichever is chosen.
-    return next((caps for caps in declared if pair in caps.offload), declared[0])
+    return next((caps for caps in found if pair in caps.offload), found[0])
 
 
 def configure(ddp_kwargs: dict[str, Any] | None = None, **given: Any) -> ShardConfig:
@@ -78,7 +79,8 @@ __all__ = [
     "RunContext",
     "StateBytes",
     "TrainSettings",
-    "capabilities",
+    "build_deepspeed_ops",
+    "declared",
     "check",
     "choose",
     "configure",

@@ -81,8 +81,7 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             raise ValueError(f"ShardFabricStrategy({flag}) is a Trainer-only flag: {why}.")
 
 
-def refuse_clip_on_owned_step(config: ShardConfig, engine_class: Any, argument: str) -> None:
-    caps = engine_class.capabilities
+def refuse_clip_on_owned_step(config: ShardConfig, caps: Any, argument: str) -> None:
     if caps.owns_step:
         raise ValueError(
             f"fabric.clip_gradients({argument}=...) cannot reach the gradients under"
@@ -101,4 +100,4 @@ class EngineNoSync(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        return self._strategy.engine.no_sync(module)
+        return self._strategy._engines.no_sync(module)

@@ -26,10 +26,11 @@ from lightning_shard.checkpoint.storage import follow_alias, resolve
 from lightning_shard.config import ShardConfig
 from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core import ProcessGroups, Session, guarded, transform
+from lightning_shard.core.lifecycle import EngineLifecycle
 from lightning_shard.core.process_groups import reduce_tensor
 from lightning_shard.core.registry import register_names
 from lightning_shard.core.transform import LossFn
-from lightning_shard.engines import Engine, TrainSettings, configure, engine_class
+from lightning_shard.engines import Engine, TrainSettings, configure
 from lightning_shard.fabric import _checkpoint, _data, _fault_tolerance
 from lightning_shard.fabric._context_parallel import cuts
 from lightning_shard.fabric._pipeline import as_tuple, check_pipeline_call, refuse_backward_under_pipeline
@@ -80,11 +81,10 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     def _init_from(self, config: ShardConfig) -> None:
         refuse_trainer_only(config)
         self.config = config
-        self._engine_class: type[Engine] = engine_class(config.engine)
+        self._engines = EngineLifecycle(config)  # built at launch; the session's from fabric.setup on
         self._fabric_precision: FabricShardPrecision | None = None
         super().__init__()
         self._backward_sync_control = EngineNoSync(self)
-        self._engine: Engine | None = None  # built at launch; the session's from fabric.setup on
         self._session: Session | None = None
         self._module: nn.Module | None = None  # the user's module, sharded in place or wrapped
         self._loss_fn: LossFn | None = None  # pipeline stages: the loss pipeline_step was given
@@ -92,9 +92,9 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
+        if self._engines.engine is None:
             raise RuntimeError("ShardFabricStrategy.engine is only available after fabric.launch().")
-        return self._engine
+        return self._engines.engine
 
     # --- precision -------------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     @override
     def precision(self) -> FabricShardPrecision:
         if self._fabric_precision is None:
-            self._fabric_precision = FabricShardPrecision(self._engine_class.precision_class())
+            self._fabric_precision = FabricShardPrecision(self._engines.default_precision())
         return self._fabric_precision
 
     @precision.setter
@@ -112,7 +112,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         if precision is None or not hasattr(self, "config"):
             self._fabric_precision = None
             return
-        engine, stage = self._engine_class, self.config.stage
+        engine, stage = self._engines.kind, self.config.stage
         self._fabric_precision = FabricShardPrecision.for_engine(precision, engine, stage)
 
     # --- processes and engine --------------------------------------------------------------------
@@ -121,7 +121,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     def setup_environment(self) -> None:
         super().setup_environment()
         transform.prepare_precision(self.precision.policy, self)
-        self._engine = self._engine_class(self.config, self.precision.policy, self.run_context())
+        self._engines.build(self.config, self.precision.policy, self.run_context())
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -135,7 +135,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._engine_class.construction_context(self.config, self.precision.policy)
+        return self._engines.construction_context(self.config, self.precision.policy)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -155,16 +155,12 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
             self.config,
             self.precision.policy,
             self,
-            engine=self.engine,
+            engine=self._engines.reusable(),
             loss_fn=self._call_loss,
             owner="ShardFabricStrategy",
         )
-        self._session, self.config, self._engine, self._module = (
-            session,
-            session.config,
-            session.engine,
-            module,
-        )
+        self._session, self.config, self._module = session, session.config, module
+        self._engines.adopt(session.engine)
         return session.model
 
     @override
@@ -193,7 +189,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
                 " then build the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer);"
                 " or pass both to fabric.setup(model, optimizer)."
             )
-        if self._engine_class.owns_step:
+        if self._engines.owns_step:
             raise RuntimeError(
                 f"ShardFabricStrategy(engine={self.config.engine!r}) wraps the model and its optimizer together:"
                 " call fabric.setup(model, optimizer) instead of fabric.setup_module + fabric.setup_optimizers."
@@ -302,7 +298,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         # Fabric steps the optimizer where the user says: an engine's own backward may precede a step.
         session.backward(
             tensor,
-            manual=self.engine.owns_step,
+            manual=self._engines.owns_step,
             plain=lambda loss: self.precision.backward(loss, module, *args, **kwargs),
         )
         self.precision.post_backward(tensor, module)
@@ -310,7 +306,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     @override
     @guarded
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.engine.owns_step:
+        if self._engines.owns_step:
             self._running().engine_step(optimizer)
             return None
         step = lambda: self.precision.optimizer_step(optimizer, **kwargs)  # noqa: E731
@@ -326,7 +322,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        refuse_clip_on_owned_step(self.config, self._engine_class, "max_norm")
+        refuse_clip_on_owned_step(self.config, self._engines.capabilities, "max_norm")
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"ShardFabricStrategy clips by the global 2-norm over every shard (got norm_type={norm_type})."
@@ -344,7 +340,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     @override
     @guarded
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        refuse_clip_on_owned_step(self.config, self._engine_class, "clip_val")
+        refuse_clip_on_owned_step(self.config, self._engines.capabilities, "clip_val")
         super().clip_gradients_value(module, optimizer, clip_val)
 
     def _running(self) -> Session:
@@ -413,23 +409,19 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint ``fabric.save`` started writing (``async_checkpoint=True``) is committed."""
-        if self._engine is not None:
-            self._engine.wait_for_checkpoints()
+        self._engines.wait_for_checkpoints()
 
     # --- end of the process ----------------------------------------------------------------------
 
     @override
     def teardown(self) -> None:
         """Pending checkpoints committed and engine files removed; the process groups stay alive until exit."""
-        if self._engine is not None:
-            self._engine.teardown()
+        self._engines.teardown()
         super().teardown()
 
     @override
     def _release_at_exit(self) -> None:
-        if self._engine is not None:
-            engine, self._engine = self._engine, None
-            engine.teardown()  # pending checkpoints committed before the groups go
+        self._engines.release("ShardFabricStrategy")  # pending checkpoints committed before the groups go
         super()._release_at_exit()
 
     @classmethod

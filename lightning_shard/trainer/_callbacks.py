@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_shard.callbacks.throughput import feed_throughput_monitor
 from lightning_shard.checkpoint.storage import resolve
-from lightning_shard.engines import capabilities
+from lightning_shard.engines import declared
 from lightning_shard.trainer._refused_callbacks import check_callbacks
 
 #: Set on a LearningRateFinder whose search already runs on the torch optimizer (later Trainer calls find it).
@@ -56,7 +56,7 @@ def adapt(trainer: Any, strategy: Any) -> None:
     """Make Lightning's callbacks among ``trainer.callbacks`` report under ``strategy`` as under DDP, or raise
     ``ValueError`` for one that cannot work with its engine. Idempotent: call it at every ``setup``."""
     engine, stage = strategy.engine_name, strategy.stage
-    caps = capabilities(engine)
+    caps = declared(engine)
     if trainer.state.fn == TrainerFn.FITTING:
         # Tensor parallelism makes parameters DTensors at any stage: as at stage 3 for the averaging checks.
         check_callbacks(

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_shard.checkpoint.storage import Remote, newest_last, resolve
-from lightning_shard.engines import capabilities
+from lightning_shard.engines import declared
 
 
 def last_on_object_stores(strategy_class: type, trainer: Any) -> str | None:
@@ -45,6 +45,6 @@ def with_module_state(checkpoint: dict[str, Any], module: nn.Module, engine: str
     the LightningModule's names. A sharded checkpoint keeps that state in its shards, and a one-file one was read
     by the DDP-wrapped names; either way it is in the module now."""
     whole = not any(isinstance(p, DTensor) for p in module.parameters())
-    if capabilities(engine).module_state_after_load and whole:
+    if declared(engine).module_state_after_load and whole:
         checkpoint["state_dict"] = module.state_dict()
     return checkpoint

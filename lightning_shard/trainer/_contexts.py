@@ -25,5 +25,5 @@ def into_shards(strategy: Any) -> Generator[None, None, None]:
     if not strategy._empty_init:
         yield
         return
-    with strategy._engine_class.construction_context(strategy.config, strategy.precision_plugin.policy):
+    with strategy._engines.construction_context(strategy.config, strategy.precision_plugin.policy):
         yield

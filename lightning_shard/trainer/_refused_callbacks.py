@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-from lightning_shard.engines import Capabilities, capabilities
+from lightning_shard.engines import Capabilities, declared
 
 _FIX = (
     "Use lightning_shard.EMA(decay=...) instead: it keeps each rank's share of the average beside the weights"
@@ -40,7 +40,7 @@ def check_callbacks(trainer: Any, strategy_description: str, stage: int, engine:
     resolved ZeRO stage and ``engine`` the resolved engine's name. Tensor parallelism makes parameters DTensors
     at any stage: pass ``stage=3`` for the same answer.
     """
-    caps = capabilities(engine)
+    caps = declared(engine)
     for callback in trainer.callbacks:
         reason = _why_not(callback, stage, caps)
         if reason is not None:

@@ -31,8 +31,9 @@ from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
 from lightning_shard.context_parallel import scale_loss
 from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core import ProcessGroups, Session, guarded, transform
+from lightning_shard.core.lifecycle import EngineLifecycle
 from lightning_shard.core.process_groups import reduce_tensor
-from lightning_shard.engines import Engine, TrainSettings, check, configure, engine_class
+from lightning_shard.engines import Engine, TrainSettings, check, configure
 from lightning_shard.fabric import ShardFabricStrategy
 from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 from lightning_shard.flags import args_doc, bind, takes_flags
@@ -74,10 +75,9 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         flags, kwargs = bind("ShardStrategy", args, kwargs)
         kwargs, ddp_kwargs = _ddp.split_kwargs(kwargs)
         self.config = configure(ddp_kwargs=ddp_kwargs, **vars(flags))
-        self._engine_class = engine_class(self.config.engine)  # asked by precision, set-up, accumulation
+        self._engines = EngineLifecycle(self.config)  # asked by precision, set-up, accumulation, exit
         super().__init__(**kwargs)
         self._session: Session | None = None
-        self._engine_live = False  # the session's engine serves the current Trainer call
         self._preemption = Preemption()
         self._empty_init = False  # init_module(empty_init=True) was used: configure_model builds empty too
         self._replicas: ReplicaGroups | None = None  # fault_tolerance: this replica group, while fitting
@@ -101,13 +101,13 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @override
     def precision_plugin(self) -> ShardPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = ShardPrecision.over(self._engine_class.precision_class())
+            self._precision_plugin = ShardPrecision.over(self._engines.default_precision())
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning assigns the plugin it built from Trainer(precision=...).
-        engine, stage = self._engine_class, self.config.stage
+        engine, stage = self._engines.kind, self.config.stage
         self._precision_plugin = None if plugin is None else ShardPrecision.for_engine(plugin, engine, stage)
 
     # --- model side -------------------------------------------------------------------------------
@@ -148,18 +148,18 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if self.stage == "auto":
             stage, policy = auto_stage.choose_for(self, trainer)
             self.config = self.config.replace(stage=stage, activation_checkpointing=policy)
-            check(self.config, self._engine_class.capabilities)  # what 'auto' left open, at the chosen stage
+            check(self.config, self._engines.capabilities)  # what 'auto' left open, at the chosen stage
         if self.pipeline_stage is not None:
             check_contract(self._lm, self.config.pipeline_parallel_size)  # before the cut
         transform.prepare_precision(self.precision_plugin.policy, self)
         earlier, policy = self._session, self.precision_plugin.policy
-        engine = earlier.engine if earlier is not None and self._engine_live else None
+        engine = self._engines.reusable()
         loss_fn = getattr(self._lm, "pipeline_loss", None)  # checked above, with pipeline stages
         self._session = transform.prepare(self._lm, self.config, policy, self, engine=engine, loss_fn=loss_fn)
         if earlier is not None and earlier.guard is not None:
             self._session.guard = earlier.guard  # skipped steps count over the Trainer's calls
         self.model, self.config = self._session.model, self._session.config
-        self._engine_live = True
+        self._engines.adopt(self._session.engine)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.fault_tolerance is not None:
@@ -191,7 +191,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         """This rank's bytes of model state: ``{"parameters" | "gradients" | "optimizer": {"accelerator",
         "host", "nvme"}, "total": int}``, the same shape for every engine."""
         assert self.model is not None
-        return self.engine.state_bytes(self.model, self.optimizers).as_dict()
+        return self._engines.state_bytes(self.model, self.optimizers)
 
     @override
     def teardown(self) -> None:
@@ -200,9 +200,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         try:
             if self._session is not None:
                 self._session.end_cut()  # the model runs whole sequences outside the Trainer's steps
-                if self._engine_live:  # the engine is kept for inspection; the next call builds a fresh one
-                    self._engine_live = False
-                    self._session.engine.teardown()
+            self._engines.end_call()  # the engine is kept for inspection; the next call builds a fresh one
             fault_tolerance.end(self._replicas)
             self.end_barrier()
         finally:
@@ -212,15 +210,10 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             self.accelerator.teardown()
 
     def _destroy_world(self) -> None:
-        self._engine_class.destroy_world()  # DeepSpeed's drops its cached groups too
+        self._engines.destroy_world()  # DeepSpeed's drops its cached groups too
 
     def _release_at_exit(self) -> None:
-        if self._session is not None and self._engine_live:
-            self._engine_live = False
-            try:
-                self._session.engine.teardown()
-            except Exception as error:  # noqa: BLE001  (exiting: report, never mask the exit status)
-                log.error("ShardStrategy: engine teardown at exit failed: %r", error)
+        self._engines.release("ShardStrategy")
         super()._release_at_exit()
 
     # --- the session: every step forwarded to it -----------------------------------------------------
@@ -255,7 +248,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @override
     def handles_gradient_accumulation(self) -> bool:
         # An engine that owns the step counts micro-batches itself and steps at the boundary.
-        return self._engine_class.owns_step
+        return self._engines.owns_step
 
     @override
     def model_to_device(self) -> None:
@@ -340,7 +333,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         session, module = self._live(), self._lm
-        if session.engine.owns_step:
+        if self._engines.owns_step:
             result = closure()
             self.precision_plugin._after_closure(module, optimizer)
             session.engine_step(optimizer)
@@ -416,7 +409,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
             return
         self._save_checkpoint(checkpoint, filepath, exception=exception)
         if exception:
-            self.engine.wait_for_checkpoints()
+            self._engines.wait_for_checkpoints()
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
@@ -432,7 +425,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if fault_tolerance.writes(self._replicas):  # with fault tolerance, the lowest live group only
-            self.engine.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
+            self._engines.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
 
     @override
     @guarded
