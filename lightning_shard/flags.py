@@ -113,7 +113,7 @@ class ShardFlags:
     async_checkpoint: bool = _flag(
         False,
         "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
-        "engines/fsdp.py, fabric/strategy.py",
+        "engines/fsdp.py, engines/capabilities.py",
     )
     skip_nonfinite: bool = _flag(
         False,
@@ -258,7 +258,8 @@ class ShardFlags:
         " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
         " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
         " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine (docs/fault_tolerance.md).",
-        "config.py, core/replica_groups.py, trainer/_fault_tolerance.py, fabric/_fault_tolerance.py",
+        "config.py, core/process_groups.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
+        " fabric/_fault_tolerance.py",
     )
 
 
