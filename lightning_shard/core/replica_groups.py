@@ -29,4 +29,5 @@ def join_replica_groups(strategy: Any, session: Session, optimizers: list[Optimi
     replicas = _LIVE[0]
     sync = session.replica_sync()
     replicas.attach(session.model, optimizers, within=sync.within, own_state=sync.own_state)
+    session.replicas = replicas  # the session's commit gate and checkpoint writer read it
     return replicas

@@ -29,6 +29,7 @@ from lightning_shard.context_parallel import ContextParallel
 from lightning_shard.context_parallel.batch import cut_for_rank, cut_pair, gather_outputs
 from lightning_shard.core.nonfinite import NonFiniteGuard
 from lightning_shard.engines import Engine, ReplicaSync, TrainSettings
+from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 from lightning_shard.parallel import clip_grad_norm_
 from lightning_shard.pipeline import StageRunner
 from lightning_shard.precision import PrecisionPolicy
@@ -62,6 +63,8 @@ class Session:
     batch's targets (1 outside a cut batch)."""
     cut_by_loop: bool = False
     """Whether the loop cut the batch itself (:meth:`cut_batch`): pipeline steps, which cut it, then refuse."""
+    replicas: ReplicaGroups | None = None
+    """``fault_tolerance``: this process's replica group, once joined (``core.replica_groups``)."""
 
     def __post_init__(self) -> None:
         if self.guard is None and self.config.skip_nonfinite:
@@ -113,6 +116,25 @@ class Session:
         if cp is None or cp.seq_len is None:
             return output
         return gather_outputs(output, cp.seq_len, cp.group, cp.size)
+
+    def gated(
+        self, optimizer_step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """``optimizer_step(closure)``; under fault tolerance only if the step commits on every participating
+        replica group (else ``None``, the gradients dropped). With ``closure`` (the Trainer's forward and
+        backward), the closure runs inside the step's quorum first; without, the loop ran its backward already
+        and the commit is decided now. One gate for both doors."""
+        run = closure if closure is not None else (lambda: None)
+        if self.replicas is None:
+            return optimizer_step(run)
+        if closure is not None:
+            return self.replicas.step(closure, optimizer_step)
+        return optimizer_step(run) if self.replicas.commits() else None
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes the run's checkpoints: always, and under fault tolerance in the lowest
+        live replica group only."""
+        return self.replicas is None or self.replicas.writes_checkpoints()
 
     def replica_sync(self) -> ReplicaSync:
         """What fault tolerance needs of the engine for this model (its in-group reduction, its own state)."""

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,15 +114,3 @@ def before_backward(replicas: FabricReplicas | None) -> None:
     """The step's quorum, joined here if no forward of the set-up model joined it."""
     if replicas is not None:
         replicas.ensure_quorum()
-
-
-def gated(replicas: FabricReplicas | None, optimizer_step: Callable[[], Any]) -> Any:
-    """``optimizer_step()``, with fault tolerance only if the step commits on every participating group."""
-    if replicas is None or replicas.replicas.commits():
-        return optimizer_step()
-    return None
-
-
-def writes(replicas: FabricReplicas | None) -> bool:
-    """Whether ``fabric.save`` writes here: always without fault tolerance, else in the lowest live group."""
-    return replicas is None or replicas.replicas.writes_checkpoints()

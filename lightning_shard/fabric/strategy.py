@@ -309,8 +309,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         if self._engines.owns_step:
             self._running().engine_step(optimizer)
             return None
-        step = lambda: self.precision.optimizer_step(optimizer, **kwargs)  # noqa: E731
-        return _fault_tolerance.gated(self._replicas, step)
+        return self._running().gated(lambda _: self.precision.optimizer_step(optimizer, **kwargs))
 
     @override
     @guarded
@@ -379,7 +378,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
         session = self._running()
         location = resolve(self.broadcast(str(path)), "fabric.save(path)")
         _, optimizers, others = _checkpoint.split_state(state, session.model)
-        if self.refuse_write_after_failure(path) or not _fault_tolerance.writes(self._replicas):
+        if self.refuse_write_after_failure(path) or not session.writes_checkpoints():
             return  # (with fault tolerance, the lowest live group writes)
         checkpoint = _checkpoint.to_checkpoint(
             session.model_state(), [session.optimizer_state(optimizer) for _, optimizer in optimizers], others

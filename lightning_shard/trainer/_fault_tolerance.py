@@ -81,9 +81,10 @@ def to_window_start(trainer: L.Trainer) -> None:
 def step(
     strategy: Any, replicas: ReplicaGroups, optimizer: Any, closure: Any, model: Any, **kwargs: Any
 ) -> Any:
-    """The Trainer's optimizer step under fault tolerance: taken only if it commits on every participating
-    group (else discarded, its gradients dropped), then logged."""
-    result = replicas.step(closure, lambda run: strategy._optimizer_step(optimizer, run, model, **kwargs))
+    """The Trainer's optimizer step through the session's commit gate (discarded unless it commits on every
+    participating group), then logged."""
+    run = lambda closure: strategy._optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+    result = strategy._session.gated(run, closure)
     log_step(replicas, strategy.lightning_module.trainer, strategy.is_global_zero)
     return result
 
@@ -98,11 +99,6 @@ def end(replicas: ReplicaGroups | None) -> None:
     """The end of a fit: a peer healing over the quorum asked for after the last step gets this state."""
     if replicas is not None:
         replicas.release()
-
-
-def writes(replicas: ReplicaGroups | None) -> bool:
-    """Whether this process writes checkpoints: always without fault tolerance, else in the lowest live group."""
-    return replicas is None or replicas.writes_checkpoints()
 
 
 def log_step(replicas: ReplicaGroups, trainer: L.Trainer, is_global_zero: bool) -> None:

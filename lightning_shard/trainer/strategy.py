@@ -156,8 +156,10 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         engine = self._engines.reusable()
         loss_fn = getattr(self._lm, "pipeline_loss", None)  # checked above, with pipeline stages
         self._session = transform.prepare(self._lm, self.config, policy, self, engine=engine, loss_fn=loss_fn)
-        if earlier is not None and earlier.guard is not None:
-            self._session.guard = earlier.guard  # skipped steps count over the Trainer's calls
+        if earlier is not None:  # skipped steps count over calls; the replica group outlives one
+            self._session.replicas = earlier.replicas
+            if earlier.guard is not None:
+                self._session.guard = earlier.guard
         self.model, self.config = self._session.model, self._session.config
         self._engines.adopt(self._session.engine)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -233,6 +235,9 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     @property
     def engine(self) -> Engine:
         return self._live().engine
+
+    def _writes_checkpoints(self) -> bool:
+        return self._session is None or self._session.writes_checkpoints()
 
     @property
     def is_distributed(self) -> bool:
@@ -405,7 +410,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if self.refuse_write_after_failure(filepath):
             return
         exception = interrupted(self.lightning_module)
-        if not (exception or fault_tolerance.writes(self._replicas)):  # a group leaving writes its own
+        if not (exception or self._writes_checkpoints()):  # a group leaving writes its own
             return
         self._save_checkpoint(checkpoint, filepath, exception=exception)
         if exception:
@@ -424,7 +429,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if fault_tolerance.writes(self._replicas):  # with fault tolerance, the lowest live group only
+        if self._writes_checkpoints():  # with fault tolerance, the lowest live group only
             self._engines.remove_checkpoint(resolve(filepath, "remove_checkpoint(filepath)"))
 
     @override
