@@ -30,7 +30,6 @@ from lightning_shard import offload
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
 from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
-from lightning_shard.checkpoint.init_weights import match_keys, open_weights, tied_names
 from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
@@ -38,12 +37,13 @@ from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines import _deepspeed_experts as experts
 from lightning_shard.engines import _deepspeed_matrix as matrices
 from lightning_shard.engines._deepspeed_capabilities import DEEPSPEED
+from lightning_shard.engines._deepspeed_config import ds_config
 from lightning_shard.engines._deepspeed_precision import (
-    COMM_DTYPES,
     DeepSpeedPrecision,
     check_device_precision,
     check_precision,
 )
+from lightning_shard.engines._deepspeed_weights import load_partitioned, rebind_partitioned
 from lightning_shard.engines._ds_ops import cpu_adam
 from lightning_shard.engines._whole_matrix import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
@@ -123,7 +123,7 @@ class DeepSpeedEngine(Engine):
             import deepspeed  # optional: DeepSpeed
 
             deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
-            _rebind_partitioned(module)
+            rebind_partitioned(module)
         return module.to(self.run.device)
 
     def setup_optimizers(
@@ -153,51 +153,7 @@ class DeepSpeedEngine(Engine):
 
     def ds_config(self, settings: TrainSettings) -> dict:
         """DeepSpeed's JSON config for these flags and the Trainer's accumulation and clipping."""
-        accumulate, clip_val = settings.accumulate_grad_batches, settings.gradient_clip_val
-        clip_algorithm, device = settings.gradient_clip_algorithm, self.run.device
-        if clip_val and clip_algorithm not in (None, "norm"):
-            raise ValueError(
-                f"Trainer(gradient_clip_algorithm={clip_algorithm!r}) is not available with engine='deepspeed',"
-                " which clips by norm only. Use gradient_clip_algorithm='norm'."
-            )
-        zero: dict[str, Any] = {"stage": self.stage}
-        pin = self.config.pin_memory if self.config.pin_memory is not None else device.type == "cuda"
-        for flag, key in (
-            (self.config.offload_optimizer, "offload_optimizer"),
-            (self.config.offload_params, "offload_param"),
-        ):
-            if flag is not None:
-                zero[key] = {"device": flag, "pin_memory": pin}
-                if flag == "nvme":
-                    assert self.config.nvme_path is not None
-                    zero[key]["nvme_path"] = str(
-                        offload.swap_dir(self.config.nvme_path, self.run.global_rank)
-                    )
-        config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": accumulate,
-            "gradient_clipping": float(clip_val or 0.0),
-            "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 2**62,
-            "wall_clock_breakdown": False,
-        }
-        if self.precision.precision == "bf16-mixed":
-            config["bf16"] = {"enabled": True}
-        elif self.precision.precision == "16-mixed":
-            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-        reduce_dtype = self.precision.reduce_dtype or (torch.float32 if self.precision.is_mixed else None)
-        if reduce_dtype is not None:
-            config["communication_data_type"] = COMM_DTYPES[reduce_dtype]
-        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
-            config["aio"] = {
-                "block_size": 1 << 20,
-                "queue_depth": 8,
-                "single_submit": False,
-                "overlap_events": True,
-            }
-        return config
+        return ds_config(self.config, self.precision, self.run, self.stage, settings)
 
     def _swap_bytes(self, module: nn.Module, world_size: int) -> int:
         """This rank's bytes on NVMe: fp32 master + two Adam moments (12 B/param), fp32 parameters (4 B)."""
@@ -393,7 +349,7 @@ class DeepSpeedEngine(Engine):
             with experts.blocks_as_dtensors(module):  # expert parallelism: each rank reads its experts' rows
                 super().load_full_weights(module, path)  # whole parameters: each rank reads what it holds
             return
-        on_every_rank_init(path, lambda: _load_partitioned(module, path, self.run.is_global_zero))
+        on_every_rank_init(path, lambda: load_partitioned(module, path, self.run.is_global_zero))
 
     @classmethod
     def destroy_world(cls) -> None:
@@ -405,46 +361,3 @@ class DeepSpeedEngine(Engine):
             ds_comm.destroy_process_group()
         else:
             super().destroy_world()
-
-
-def _load_partitioned(module: nn.Module, path: str, is_rank0: bool) -> None:
-    """Full weights into parameters deepspeed.zero.Init partitioned: one parameter gathered at a time,
-    filled on rank 0 from the file, partitioned again (no rank holds more than one whole parameter)."""
-    import deepspeed  # optional: DeepSpeed
-
-    state = module.state_dict(keep_vars=True)
-    targets = {
-        key: (getattr(t, "ds_shape", t.shape), t.dtype)
-        for key, t in state.items()
-        if isinstance(t, torch.Tensor)
-    }
-    with open_weights(path) as source:
-        mapping = match_keys(source, targets, tied_names(module, targets))
-        done: set[int] = set()
-        for key, tensor in state.items():
-            if id(tensor) in done:
-                continue
-            done.add(id(tensor))
-            if not hasattr(tensor, "ds_tensor"):  # a buffer: whole on every rank
-                with torch.no_grad():
-                    tensor.copy_(source.read(mapping[key]))
-                continue
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0), torch.no_grad():
-                if is_rank0:
-                    tensor.copy_(source.read(mapping[key]))
-
-
-def _rebind_partitioned(module: nn.Module) -> None:
-    """Point parameters ZeRO-3 partitioned in an earlier ``fit`` at this call's process group.
-
-    DeepSpeed records the group on each partitioned parameter and skips parameters it already
-    partitioned; a default group destroyed and made again since (by the user) leaves the recorded one dead.
-    """
-    partitioned = [p for p in module.parameters() if hasattr(p, "ds_process_group")]
-    if not partitioned:
-        return
-    from deepspeed.utils import groups  # optional: DeepSpeed
-
-    group = groups._get_sequence_data_parallel_group()
-    for param in partitioned:
-        param.ds_process_group = group
