@@ -95,7 +95,7 @@ class ShardFlags:
         "engines/deepspeed.py",
     )
     pin_memory: bool | None = _flag(
-        None, "pin host buffers for offload (default: on CUDA).", "engines/_fsdp2.py, engines/deepspeed.py"
+        None, "pin host buffers for offload (default: on CUDA).", "engines/_fsdp2.py, engines/_deepspeed_config.py"
     )
     activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointingConfig | None = _flag(
         None,
