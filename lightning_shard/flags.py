@@ -95,7 +95,9 @@ class ShardFlags:
         "engines/deepspeed.py",
     )
     pin_memory: bool | None = _flag(
-        None, "pin host buffers for offload (default: on CUDA).", "engines/_fsdp2.py, engines/_deepspeed_config.py"
+        None,
+        "pin host buffers for offload (default: on CUDA).",
+        "engines/_fsdp2.py, engines/_deepspeed_config.py",
     )
     activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointingConfig | None = _flag(
         None,
