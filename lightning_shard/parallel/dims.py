@@ -43,14 +43,6 @@ PIPELINE_DIMS = ("pp", *DIMS)
 #: The expert view's dimensions: ``edp`` x ``ep`` spans the dense view's shard dimension.
 EXPERT_DIMS = ("pp", "replicate", "edp", "ep", "tp")
 CONTEXT_DIMS = ("cp_outer", "cp", "cp_tp")
-#: The flag that sets each dimension, for messages.
-FLAGS = {
-    "pp": "pipeline_parallel_size",
-    "replicate": "replicate_size",
-    "cp": "context_parallel_size",
-    "ep": "expert_parallel_size",
-    "tp": "tensor_parallel_size",
-}
 
 
 def strategy_flag(name: str, value: Any) -> str:
@@ -371,7 +363,6 @@ __all__ = [
     "CONTEXT_DIMS",
     "DIMS",
     "EXPERT_DIMS",
-    "FLAGS",
     "PIPELINE_DIMS",
     "MeshLayout",
     "ParallelDims",
