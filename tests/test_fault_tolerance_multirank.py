@@ -190,11 +190,13 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
     steps, fail = STEPS, FAIL
     survivor, survivor_state = _records(runs / "failure" / f"stage{stage}", "group0")
     healed, healed_state = _records(runs / "failure" / f"stage{stage}", "group1")
-    # The step at which the healed group took part again (the live group waits for its restart at REJOIN; on a
-    # busy machine the heal may land a step later). Step KILL is the last with both: group 1 died after its
-    # backward, and the next step's quorum is asked for once a step commits.
+    # The step at which the healed group took part again. Step KILL is the last with both: group 1 died after its
+    # backward, and the next step's quorum is asked for once a step commits. The live group waits at REJOIN
+    # until the restart has set up, but the restarted group's first quorum may still land some steps later on a
+    # busy machine (its start is seconds of imports and set-up against 0.1 s steps): any step before the broken
+    # collective at FAIL, which both groups must take part in, is a heal this test can check.
     back = next(i for i in range(KILL + 1, steps) if survivor[0]["participants"][i] == 2)
-    assert KILL + 1 < back <= REJOIN + 2, survivor[0]["participants"]
+    assert KILL + 1 < back < fail, survivor[0]["participants"]
     for rank, record in enumerate(survivor):
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
         expected = [2] * (KILL + 1) + [1] * (back - KILL - 1) + [2] * (steps - back)
