@@ -51,14 +51,12 @@ class Record(L.Callback):
         self.ready, self.all_ready = out / f"{name}.ready", [out / f"group{g}.ready" for g in range(groups)]
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+        if self.marker.exists():  # restarted after a failure
+            self.marker.with_suffix(".restarted").touch()
         self.ready.touch()
         deadline = time.monotonic() + 120
         while not all(path.exists() for path in self.all_ready) and time.monotonic() < deadline:
             time.sleep(0.1)
-
-    def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
-        if self.marker.exists() and trainer.global_rank == 0:  # restarted after a failure, and set up
-            self.marker.with_suffix(".restarted").touch()
 
     @staticmethod
     def _checksum(module: Any) -> float:
