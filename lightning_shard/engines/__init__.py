@@ -19,9 +19,9 @@ import importlib
 from typing import Any
 
 from lightning_shard.config import ShardConfig
-from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
 from lightning_shard.engines.capabilities import Capabilities, check, refusals
+from lightning_shard.engines.deepspeed.ops import build_deepspeed_ops
 from lightning_shard.flags import ShardFlags
 
 #: In order of preference: ``engine="auto"`` takes the first that serves the offload flags.

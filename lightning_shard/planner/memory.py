@@ -27,7 +27,7 @@ Working buffers are what exists only during a step, on top of the model state an
 * whole matrices (a whole-matrix optimizer, ``muon``, where parameters are split: stages 2-3, tensor
   parallelism): during the step each rank holds the matrices it owns whole with their gradients (about 1/N of
   them, plus the largest matrix for the owners' imbalance), and one other matrix and its gradient as they
-  pass through (``engines/_whole_matrix.py``). Its optimizer state is 1/N per device, as ZeRO's.
+  pass through (``engines/fsdp/whole_matrix.py``). Its optimizer state is 1/N per device, as ZeRO's.
 """
 
 from __future__ import annotations

@@ -34,19 +34,19 @@ from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
-from lightning_shard.engines import _deepspeed_experts as experts
-from lightning_shard.engines import _deepspeed_matrix as matrices
-from lightning_shard.engines._deepspeed_capabilities import DEEPSPEED
-from lightning_shard.engines._deepspeed_config import ds_config
-from lightning_shard.engines._deepspeed_precision import (
+from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
+from lightning_shard.engines.deepspeed import experts
+from lightning_shard.engines.deepspeed import whole_matrix as matrices
+from lightning_shard.engines.deepspeed.capabilities import DEEPSPEED
+from lightning_shard.engines.deepspeed.config import ds_config
+from lightning_shard.engines.deepspeed.ops import cpu_adam
+from lightning_shard.engines.deepspeed.precision import (
     DeepSpeedPrecision,
     check_device_precision,
     check_precision,
 )
-from lightning_shard.engines._deepspeed_weights import load_partitioned, rebind_partitioned
-from lightning_shard.engines._ds_ops import cpu_adam
-from lightning_shard.engines._whole_matrix import check_own_distribution, needs_whole_matrices
-from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
+from lightning_shard.engines.deepspeed.weights import load_partitioned, rebind_partitioned
+from lightning_shard.engines.fsdp.whole_matrix import check_own_distribution, needs_whole_matrices
 
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
@@ -57,7 +57,7 @@ _SET_UP = "_lightning_shard_deepspeed_set_up"
 class DeepSpeedEngine(Engine):
     """Builds the DeepSpeed config from ShardStrategy's flags and drives ``deepspeed.initialize``'s engine."""
 
-    capabilities = DEEPSPEED  # what it serves: engines/_deepspeed_capabilities.py
+    capabilities = DEEPSPEED  # what it serves: engines/deepspeed/capabilities.py
     owns_step = capabilities.owns_step
     precision_class = DeepSpeedPrecision
 

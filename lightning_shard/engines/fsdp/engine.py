@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-import lightning_shard.engines._whole_matrix as _whole_matrix
-import lightning_shard.engines._zero as _zero
+import lightning_shard.engines.fsdp.whole_matrix as _whole_matrix
+import lightning_shard.engines.fsdp.zero as _zero
 from lightning_shard import _compat, _ddp, compression, fp8
 from lightning_shard import checkpoint as ckpt
 from lightning_shard._meta import materialize
@@ -45,11 +45,11 @@ from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.compression import hook_and_state
 from lightning_shard.engines import _shm
 from lightning_shard.engines._ddp import wrap as wrap_ddp
-from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
-from lightning_shard.engines._fsdp_capabilities import FSDP
-from lightning_shard.engines._local_step import step_on_local_shards
 from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
+from lightning_shard.engines.fsdp.capabilities import FSDP
+from lightning_shard.engines.fsdp.local_step import step_on_local_shards
+from lightning_shard.engines.fsdp.sharding import ForwardRedirection, fully_shard_model
 from lightning_shard.expert_parallel import expert_modules
 from lightning_shard.memory import model_state_bytes
 
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
 
-    capabilities = FSDP  # what it serves: engines/_fsdp_capabilities.py
+    capabilities = FSDP  # what it serves: engines/fsdp/capabilities.py
 
     compression_state: Any = None
     """``gradient_compression='powersgd'``: the hook and torch's ``PowerSGDState`` (in sharded checkpoints)."""
