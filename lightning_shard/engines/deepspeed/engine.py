@@ -34,6 +34,7 @@ from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
 from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
+from lightning_shard.engines._matrix_optimizers import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 from lightning_shard.engines.deepspeed import experts
 from lightning_shard.engines.deepspeed import whole_matrix as matrices
@@ -46,7 +47,6 @@ from lightning_shard.engines.deepspeed.precision import (
     check_precision,
 )
 from lightning_shard.engines.deepspeed.weights import load_partitioned, rebind_partitioned
-from lightning_shard.engines.fsdp.whole_matrix import check_own_distribution, needs_whole_matrices
 
 log = logging.getLogger(__name__)
 TAG = ckpt.DEEPSPEED_TAG
