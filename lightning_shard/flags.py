@@ -92,7 +92,7 @@ class ShardFlags:
         None,
         "directory on an NVMe drive for ``'nvme'`` offload; swap files live in a subdirectory of it and are"
         " removed at teardown.",
-        "engines/deepspeed/engine.py",
+        "engines/deepspeed/offload.py, engines/deepspeed/config.py",
     )
     pin_memory: bool | None = _flag(
         None,
@@ -115,7 +115,7 @@ class ShardFlags:
     async_checkpoint: bool = _flag(
         False,
         "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
-        "engines/fsdp/engine.py, engines/capabilities.py",
+        "engines/fsdp/checkpoint.py, engines/capabilities.py",
     )
     skip_nonfinite: bool = _flag(
         False,
@@ -237,13 +237,13 @@ class ShardFlags:
         "``True``, ``'tensorwise'``, ``'rowwise'`` or a dict of options: train the large ``nn.Linear`` layers in"
         " float8 through torchao (FSDP engine; the size rule and its overrides are in docs/fp8.md); at stages"
         " 2-3 FSDP gathers their weights in float8.",
-        "fp8.py, core/transform.py, engines/fsdp/engine.py",
+        "fp8.py, core/transform.py, engines/fsdp/fp8.py",
     )
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,
         "stages 0-1: ``'bf16'``, ``'fp16'``, ``'powersgd'`` or ``{'method': 'powersgd', 'rank': r,"
         " 'start_iter': n, ...}``, through DDP's communication hooks.",
-        "compression.py, engines/fsdp/engine.py",
+        "compression.py, engines/fsdp/compression.py",
     )
     matrix_optimizer: bool | Sequence[str | type] | None = _flag(
         None,
@@ -252,7 +252,7 @@ class ShardFlags:
         " of every optimizer; or the classes (or their dotted names). Where parameters are sharded or split"
         " (stages 2-3, tensor parallelism; DeepSpeed ZeRO-1/2/3) each matrix is then stepped whole on one owner"
         " rank (docs/optimizers.md).",
-        "engines/fsdp/engine.py, engines/deepspeed/engine.py, engines/fsdp/whole_matrix.py",
+        "engines/_matrix_optimizers.py, engines/fsdp/engine.py, engines/deepspeed/engine.py",
     )
     fault_tolerance: dict[str, Any] | None = _flag(
         None,

@@ -9,6 +9,8 @@ module             what it holds
 ``precision``      DeepSpeed's precision rules (the policy's subclass, the precisions it refuses)
 ``ops``            DeepSpeed's compiled ops built ahead of a run (``lightning-shard build-ops``), CPU-Adam
 ``weights``        full weights into ``deepspeed.zero.Init``'s partitions
+``offload``        ZeRO-Infinity's NVMe swap folder: made ready, measured, removed
+``checkpoint``     DeepSpeed's per-rank checkpoints, committed as every other, and read back
 ``experts``        expert parallelism as DeepSpeed MoE parameters and groups
 ``whole_matrix``   optimizers stepped on whole matrices over ZeRO's flat partitions
 =================  ======================================================================================
