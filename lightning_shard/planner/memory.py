@@ -36,8 +36,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_shard.planner.activations import activation_bytes, block_activation_bytes
 from lightning_shard.planner.experts import all_to_all_bytes
-from lightning_shard.planner.model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
+from lightning_shard.planner.model import Checkpointing, ModelShape
 from lightning_shard.tiling import loss_tile
 
 Offload = Literal["none", "cpu", "nvme"]
