@@ -140,14 +140,14 @@ class ShardFlags:
         1,
         "HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards the model over"
         " its own ranks (one node's, say) and gradients are all-reduced across groups.",
-        "parallel/dims.py, core/process_groups.py",
+        "parallel/dims.py",
     )
     tensor_parallel_size: int = _flag(
         1,
         "split the layers named by the plan over this many ranks (the innermost mesh dimension: keep it"
         " within a node), before FSDP2 shards over the rest; the world is ``replicate_size x shard x"
         " tensor_parallel_size`` (docs/parallelism.md).",
-        "parallel/, core/process_groups.py",
+        "parallel/",
     )
     tensor_parallel_plan: dict[str, Any] | None = _flag(
         None,
@@ -188,7 +188,7 @@ class ShardFlags:
         "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
         " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
         " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
-        "parallel/dims.py, core/process_groups.py, fabric/_context_parallel.py",
+        "parallel/dims.py, fabric/_context_parallel.py",
     )
     context_parallel_method: ContextParallelMethod = _flag(
         "allgather",
@@ -203,7 +203,7 @@ class ShardFlags:
         " module, and tokens travel to their experts and back by all-to-all (a mesh dimension carved from the"
         " data-parallel shard one, as torchtitan's; the ranks left shard or replicate each expert block);"
         " docs/expert_parallel.md.",
-        "parallel/dims.py, core/process_groups.py, core/transform.py",
+        "parallel/dims.py, core/transform.py",
     )
     expert_parallel_plan: dict[str, str] | None = _flag(
         None,
@@ -260,7 +260,7 @@ class ShardFlags:
         " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
         " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
         " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine (docs/fault_tolerance.md).",
-        "config.py, core/process_groups.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
+        "config.py, parallel/dims.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
         " fabric/_fault_tolerance.py",
     )
 

@@ -182,10 +182,10 @@ class FSDPEngine(Engine):
 
     @property
     def _replicates(self) -> bool:
-        """Stage 0 runs on FSDP2's replicate() rather than DDP: with tensor parallelism (DTensor parameters)
-        and with pipeline stages (DDP's reducer cannot follow a schedule's backward per microbatch)."""
-        dims = self.run.dims
-        return dims.tp_enabled or dims.pp_enabled or dims.ep_enabled
+        """Stage 0 runs on FSDP2's replicate() rather than DDP wherever the model is split over more than its
+        data-parallel ranks: tensor parallelism (DTensor parameters), pipeline stages (DDP's reducer cannot follow
+        a schedule's backward per microbatch), expert-parallel blocks (replicated over their own mesh)."""
+        return self.run.dims.model_split
 
     def post_backward(self, model: nn.Module, manual: bool) -> None:
         if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):
