@@ -137,7 +137,10 @@ def test_nothing_below_the_trainer_door_reaches_trainer_code():
         # through a module the Fabric door imports, inside a function
         ("precision.py", "def _planted():\n    from lightning.pytorch.plugins import Precision  # noqa\n"),
         # an engine importing the Trainer door's own module
-        ("engines/fsdp/engine.py", "def _planted():\n    from lightning_shard.trainer import precision  # noqa\n"),
+        (
+            "engines/fsdp/engine.py",
+            "def _planted():\n    from lightning_shard.trainer import precision  # noqa\n",
+        ),
     ],
 )
 def test_a_planted_trainer_import_below_the_doors_is_found(tmp_path, module, planted):
