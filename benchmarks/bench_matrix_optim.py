@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
-from lightning_shard.engines._whole_matrix import whole_matrix_step
+from lightning_shard.engines.fsdp.whole_matrix import whole_matrix_step
 from lightning_shard.memory import model_state_bytes
 
 WARMUP = 2

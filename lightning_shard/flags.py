@@ -61,7 +61,7 @@ class ShardFlags:
         None,
         "module classes (or import-path strings) that become sharding units at stages 2-3; ``None`` detects the"
         " model's repeated block class.",
-        "engines/_fsdp2.py, core/transform.py, compile.py",
+        "engines/fsdp/sharding.py, core/transform.py, compile.py",
     )
     checkpoint: CheckpointMode = _flag(
         "sharded",
@@ -92,12 +92,12 @@ class ShardFlags:
         None,
         "directory on an NVMe drive for ``'nvme'`` offload; swap files live in a subdirectory of it and are"
         " removed at teardown.",
-        "engines/deepspeed.py",
+        "engines/deepspeed/offload.py, engines/deepspeed/config.py",
     )
     pin_memory: bool | None = _flag(
         None,
         "pin host buffers for offload (default: on CUDA).",
-        "engines/_fsdp2.py, engines/_deepspeed_config.py",
+        "engines/fsdp/sharding.py, engines/deepspeed/config.py",
     )
     activation_checkpointing: Literal["full", "selective"] | ActivationCheckpointingConfig | None = _flag(
         None,
@@ -115,7 +115,7 @@ class ShardFlags:
     async_checkpoint: bool = _flag(
         False,
         "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
-        "engines/fsdp.py, engines/capabilities.py",
+        "engines/fsdp/checkpoint.py, engines/capabilities.py",
     )
     skip_nonfinite: bool = _flag(
         False,
@@ -140,14 +140,14 @@ class ShardFlags:
         1,
         "HSDP (stages 2-3): the data-parallel ranks form this many replica groups; each shards the model over"
         " its own ranks (one node's, say) and gradients are all-reduced across groups.",
-        "parallel/dims.py, core/process_groups.py",
+        "parallel/dims.py",
     )
     tensor_parallel_size: int = _flag(
         1,
         "split the layers named by the plan over this many ranks (the innermost mesh dimension: keep it"
         " within a node), before FSDP2 shards over the rest; the world is ``replicate_size x shard x"
         " tensor_parallel_size`` (docs/parallelism.md).",
-        "parallel/, core/process_groups.py",
+        "parallel/",
     )
     tensor_parallel_plan: dict[str, Any] | None = _flag(
         None,
@@ -188,7 +188,7 @@ class ShardFlags:
         "cut each sequence over this many ranks (a mesh dimension inside the data-parallel one: FSDP2 shards"
         " over data-parallel x context-parallel ranks, which hold the same model and read the same batches);"
         " the strategy cuts the batch and runs attention across the group (docs/context_parallel.md).",
-        "parallel/dims.py, core/process_groups.py, fabric/_context_parallel.py",
+        "parallel/dims.py, fabric/_context_parallel.py",
     )
     context_parallel_method: ContextParallelMethod = _flag(
         "allgather",
@@ -203,7 +203,7 @@ class ShardFlags:
         " module, and tokens travel to their experts and back by all-to-all (a mesh dimension carved from the"
         " data-parallel shard one, as torchtitan's; the ranks left shard or replicate each expert block);"
         " docs/expert_parallel.md.",
-        "parallel/dims.py, core/process_groups.py, core/transform.py",
+        "parallel/dims.py, core/transform.py",
     )
     expert_parallel_plan: dict[str, str] | None = _flag(
         None,
@@ -237,13 +237,13 @@ class ShardFlags:
         "``True``, ``'tensorwise'``, ``'rowwise'`` or a dict of options: train the large ``nn.Linear`` layers in"
         " float8 through torchao (FSDP engine; the size rule and its overrides are in docs/fp8.md); at stages"
         " 2-3 FSDP gathers their weights in float8.",
-        "fp8.py, core/transform.py, engines/fsdp.py",
+        "fp8.py, core/transform.py, engines/fsdp/fp8.py",
     )
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,
         "stages 0-1: ``'bf16'``, ``'fp16'``, ``'powersgd'`` or ``{'method': 'powersgd', 'rank': r,"
         " 'start_iter': n, ...}``, through DDP's communication hooks.",
-        "compression.py, engines/fsdp.py",
+        "compression.py, engines/fsdp/compression.py",
     )
     matrix_optimizer: bool | Sequence[str | type] | None = _flag(
         None,
@@ -252,7 +252,7 @@ class ShardFlags:
         " of every optimizer; or the classes (or their dotted names). Where parameters are sharded or split"
         " (stages 2-3, tensor parallelism; DeepSpeed ZeRO-1/2/3) each matrix is then stepped whole on one owner"
         " rank (docs/optimizers.md).",
-        "engines/fsdp.py, engines/deepspeed.py, engines/_whole_matrix.py",
+        "engines/_matrix_optimizers.py, engines/fsdp/engine.py, engines/deepspeed/engine.py",
     )
     fault_tolerance: dict[str, Any] | None = _flag(
         None,
@@ -260,7 +260,7 @@ class ShardFlags:
         " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
         " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
         " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine (docs/fault_tolerance.md).",
-        "config.py, core/process_groups.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
+        "config.py, parallel/dims.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
         " fabric/_fault_tolerance.py",
     )
 

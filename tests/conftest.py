@@ -16,7 +16,7 @@ def _missing_cuda() -> str | None:
 
 
 def _missing_fp16_cpu() -> str | None:
-    from lightning_shard.engines._deepspeed_precision import cpu_supports_fp16
+    from lightning_shard.engines.deepspeed.precision import cpu_supports_fp16
 
     if cpu_supports_fp16():
         return None

@@ -48,7 +48,7 @@ def test_import_contracts_hold():
             "def _planted():\n    from lightning_shard.checkpoint import sharded  # noqa\n",
         ),
         # A test tool in production code (``mock.patch`` once swapped DeepSpeed's engine class).
-        ("engines/_deepspeed_experts.py", "def _planted():\n    from unittest import mock  # noqa\n"),
+        ("engines/deepspeed/experts.py", "def _planted():\n    from unittest import mock  # noqa\n"),
         # A door reaching into an engine's own module past the engines package.
         ("fabric/_setup.py", "def _planted():\n    from lightning_shard.engines import _shm  # noqa\n"),
     ],
@@ -137,7 +137,10 @@ def test_nothing_below_the_trainer_door_reaches_trainer_code():
         # through a module the Fabric door imports, inside a function
         ("precision.py", "def _planted():\n    from lightning.pytorch.plugins import Precision  # noqa\n"),
         # an engine importing the Trainer door's own module
-        ("engines/fsdp.py", "def _planted():\n    from lightning_shard.trainer import precision  # noqa\n"),
+        (
+            "engines/fsdp/engine.py",
+            "def _planted():\n    from lightning_shard.trainer import precision  # noqa\n",
+        ),
     ],
 )
 def test_a_planted_trainer_import_below_the_doors_is_found(tmp_path, module, planted):

@@ -432,7 +432,7 @@ def test_lr_search_sees_the_torch_optimizer_and_the_strategy_gets_its_own_back()
 def test_a_sharded_optimizer_class_is_named_after_the_optimizer_it_shards():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from lightning_shard.engines._zero import named_zero_class
+    from lightning_shard.engines.fsdp.zero import named_zero_class
 
     named = named_zero_class(torch.optim.SGD)
     assert named.__name__ == "SGD" and issubclass(named, ZeroRedundancyOptimizer)

@@ -52,7 +52,7 @@ def _job() -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from lightning_shard.engines._local_step import _on_shards, step_on_local_shards
+    from lightning_shard.engines.fsdp.local_step import _on_shards, step_on_local_shards
 
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}

@@ -19,7 +19,7 @@ import torch
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
-from lightning_shard.engines._deepspeed_matrix import STATE_FILE, whole_matrix_step
+from lightning_shard.engines.deepspeed.whole_matrix import STATE_FILE, whole_matrix_step
 from tests.test_matrix_optimizers_multirank import STEPS, WIDTH, _fit, _same
 
 pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import run_ranks
 from lightning_shard.engines._named_state import flattened
-from lightning_shard.engines._whole_matrix import optimizer_state_dict, whole_matrix_step
+from lightning_shard.engines.fsdp.whole_matrix import optimizer_state_dict, whole_matrix_step
 from lightning_shard.memory import model_state_bytes
 from tests.helpers import LossRecorder, full_weights, trainer_kwargs
 
@@ -266,7 +266,7 @@ def test_deepspeed_refuses_a_whole_matrix_optimizer_with_expert_parallelism_nami
     monkeypatch,
 ):
     from lightning_shard.engines import TrainSettings
-    from lightning_shard.engines import _deepspeed_experts as experts
+    from lightning_shard.engines.deepspeed import experts
     from tests.helpers import make_engine
 
     monkeypatch.setattr(

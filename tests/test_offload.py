@@ -16,7 +16,7 @@ import pytest
 from lightning_shard import ShardPrecision, ShardStrategy
 from lightning_shard import offload as offload_mod
 from lightning_shard.engines import TrainSettings
-from lightning_shard.engines._ds_ops import clear_stale_build_locks
+from lightning_shard.engines.deepspeed.ops import clear_stale_build_locks
 from tests.helpers import make_engine
 
 
@@ -223,7 +223,7 @@ def test_stale_build_lock_is_cleared(tmp_path, monkeypatch):
 @pytest.mark.deepspeed
 def test_build_ops_clears_a_killed_builds_lock_first(tmp_path, monkeypatch):
     """A build killed mid-way leaves its lock; ``build-ops`` would wait on it forever."""
-    from lightning_shard.engines import _ds_ops
+    from lightning_shard.engines.deepspeed import ops as _ds_ops
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (tmp_path / "async_io").mkdir()

@@ -213,7 +213,7 @@ def test_predict_inputs():
 
 
 def test_resume_takes_param_names_from_the_live_optimizer_and_hyperparameters_from_the_checkpoint():
-    from lightning_shard.engines.fsdp import _with_live_params
+    from lightning_shard.engines.fsdp.state import with_live_params as _with_live_params
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

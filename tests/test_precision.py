@@ -51,7 +51,7 @@ def test_deepspeed_fp16_without_zero_is_refused():
 
 def test_deepspeed_fp16_on_a_cpu_without_fp16_is_refused_at_setup(monkeypatch):
     from lightning_shard.engines import engine_class
-    from lightning_shard.engines._deepspeed_precision import check_device_precision, cpu_supports_fp16
+    from lightning_shard.engines.deepspeed.precision import check_device_precision, cpu_supports_fp16
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)  # e.g. AMD EPYC
     assert not cpu_supports_fp16()
@@ -69,7 +69,7 @@ def test_deepspeed_fp16_on_a_cpu_without_fp16_is_refused_at_setup(monkeypatch):
 
 
 def test_a_torch_without_the_fp16_probe_counts_as_no_fp16(monkeypatch):
-    from lightning_shard.engines._deepspeed_precision import cpu_supports_fp16
+    from lightning_shard.engines.deepspeed.precision import cpu_supports_fp16
 
     def missing() -> bool:
         raise RuntimeError("No such operator mkldnn::_is_mkldnn_fp16_supported")

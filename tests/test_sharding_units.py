@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_shard.engines._units import sharding_units
+from lightning_shard.engines.fsdp.units import sharding_units
 
 
 def blocks(*widths: int) -> list[nn.Module]:

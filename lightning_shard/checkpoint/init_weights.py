@@ -28,18 +28,17 @@ import json
 import logging
 import pickle
 from abc import ABC, abstractmethod
-from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_shard.checkpoint import _keys
+
 _log = logging.getLogger(__name__)
-_SHOWN = 5  # keys named per kind of mismatch in an error; the rest are counted
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 _ACCEPTED = (
@@ -200,7 +199,7 @@ def _hf_directory(path: Path) -> _SafetensorsSource:
     if missing:
         raise InitWeightsError(
             f"init_weights={str(path)!r}: {HF_INDEX} names shard files that are not in the directory:"
-            f" {', '.join(missing[:_SHOWN])}. Download or copy every shard of the model."
+            f" {', '.join(missing[: _keys.SHOWN])}. Download or copy every shard of the model."
         )
     return _SafetensorsSource(path, {name: path / file for name, file in weight_map.items()})
 
@@ -225,83 +224,13 @@ def open_weights(path: str | Path) -> WeightSource:
     return _TorchFileSource(path)
 
 
-@dataclass(frozen=True)
-class _Prefix:
-    """A leading key prefix on one side: ``on="model"``: module key = text + file key;
-    ``on="file"``: file key = text + module key; ``on=""``: keys match as they are."""
-
-    text: str = ""
-    on: Literal["", "model", "file"] = ""
-
-    def file_key(self, key: str) -> str | None:
-        if self.on == "model":
-            return key[len(self.text) :] if key.startswith(self.text) else None
-        return self.text + key
-
-    def describe(self) -> str:
-        if self.on == "model":
-            return f"the model's keys without their leading {self.text!r}"
-        if self.on == "file":
-            return f"the file's keys without their leading {self.text!r}"
-        return "keys as they are (no prefix)"
-
-
-def _dotted_prefixes(key: str) -> list[str]:
-    parts = key.split(".")
-    return [".".join(parts[:i]) + "." for i in range(1, len(parts))]
-
-
-def _find_prefix(file_keys: list[str], model_keys: list[str]) -> _Prefix:
-    """The one prefix that matches the most keys; no prefix on a tie."""
-    file_set, model_set = set(file_keys), set(model_keys)
-    votes: Counter[_Prefix] = Counter()
-    for key in model_keys:
-        votes.update(_Prefix(p, "model") for p in _dotted_prefixes(key) if key[len(p) :] in file_set)
-    for key in file_keys:
-        votes.update(_Prefix(p, "file") for p in _dotted_prefixes(key) if key[len(p) :] in model_set)
-    exact = len(model_set & file_set)
-    best = max(votes.items(), key=lambda item: item[1], default=(_Prefix(), 0))
-    return best[0] if best[1] > exact else _Prefix()
-
-
 def _match(
     source: WeightSource, targets: dict[str, tuple[torch.Size, torch.dtype]], aliases: list[set[str]]
-) -> tuple[_Prefix, dict[str, str]]:
-    file_keys = source.keys()
-    prefix = _find_prefix(file_keys, list(targets))
-    file_set = set(file_keys)
-    mapping = {t: f for t in targets if (f := prefix.file_key(t)) is not None and f in file_set}
-    used = set(mapping.values())
-    for group in aliases:  # one tied parameter: any member in the file serves all of them
-        present = [mapping[t] for t in targets if t in group and t in mapping]
-        mapping.update({t: present[0] for t in targets if t in group and present})
-    missing = [t for t in targets if t not in mapping]
-    unexpected = [f for f in file_keys if f not in used]
-    mismatched = [
-        f"{t}: file shape {tuple(source.shape(f))}, model shape {tuple(targets[t][0])}"
-        for t, f in mapping.items()
-        if source.shape(f) != targets[t][0]
-    ]
-    if missing or unexpected or mismatched:
-        raise InitWeightsError(_mismatch_message(source.path, prefix, missing, unexpected, mismatched))
+) -> tuple[_keys.Prefix, dict[str, str]]:
+    prefix, mapping, problems = _keys.match(source, targets, aliases)
+    if any(problems):
+        raise InitWeightsError(_keys.mismatch_message(source.path, prefix, *problems))
     return prefix, mapping
-
-
-def _mismatch_message(
-    path: Path, prefix: _Prefix, missing: list[str], unexpected: list[str], mismatched: list[str]
-) -> str:
-    lines = [f"init_weights={str(path)!r} does not fit the model (compared {prefix.describe()}):"]
-    if missing:
-        lines.append(f"  {len(missing)} model keys missing from the file, e.g. {', '.join(missing[:_SHOWN])}")
-    if unexpected:
-        shown = ", ".join(unexpected[:_SHOWN])
-        lines.append(f"  {len(unexpected)} file keys not in the model, e.g. {shown}")
-    lines += [f"  shape mismatch: {line}" for line in mismatched]
-    lines.append(
-        "Check that the path holds the weights of this model, and that the model's config (layers,"
-        " hidden size, heads, vocabulary size) matches the one the weights were saved with."
-    )
-    return "\n".join(lines)
 
 
 def match_keys(
@@ -309,7 +238,7 @@ def match_keys(
 ) -> dict[str, str]:
     """Map each module state-dict key in ``targets`` (key -> (global shape, dtype)) to a key of ``source``.
 
-    Keys match exactly, or through one prefix found automatically (see :class:`_Prefix`). Each set in
+    Keys match exactly, or through one prefix found automatically (:mod:`._keys`). Each set in
     ``aliases`` is one tied parameter: present in the file under any member's key, every member maps
     to that key. Raises :class:`InitWeightsError` on any missing, unexpected or mis-shaped key; reads
     no tensor.

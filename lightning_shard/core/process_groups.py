@@ -52,17 +52,7 @@ def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Te
 
 def parallel_dims(config: ShardConfig, world_size: int) -> ParallelDims:
     """The flags' layout of ``world_size`` ranks (a ``ValueError`` naming the flag that does not divide it)."""
-    ft = config.fault_tolerance
-    return ParallelDims.for_world(
-        world_size,
-        replicate_size=config.replicate_size,
-        tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size,
-        context_parallel_size=config.context_parallel_size,
-        expert_parallel_size=config.expert_parallel_size,
-        replica_groups=1 if ft is None else ft.replica_groups,
-        replica_id=0 if ft is None else ft.replica_id,
-    )
+    return ParallelDims.for_flags(config, world_size)
 
 
 class ProcessGroups:

@@ -70,6 +70,15 @@ class Session:
         if self.guard is None and self.config.skip_nonfinite:
             self.guard = NonFiniteGuard(self.config.max_skipped)
 
+    def carry_over(self, earlier: Session | None) -> None:
+        """What outlives one Trainer call, from the session of the call before: the count of skipped steps and
+        the replica group."""
+        if earlier is None:
+            return
+        self.replicas = earlier.replicas
+        if earlier.guard is not None:
+            self.guard = earlier.guard
+
     # --- the optimizers ------------------------------------------------------------------------------
 
     def setup_optimizers(

@@ -16,13 +16,15 @@ refuses what the chosen engine does not declare.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_shard.config import ShardConfig
-from lightning_shard.engines._ds_ops import build_deepspeed_ops
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
 from lightning_shard.engines.capabilities import Capabilities, check, refusals
 from lightning_shard.flags import ShardFlags
+
+if TYPE_CHECKING:
+    from lightning_shard.engines.deepspeed.ops import OpBuild
 
 #: In order of preference: ``engine="auto"`` takes the first that serves the offload flags.
 _ENGINES = {
@@ -37,6 +39,15 @@ def engine_class(name: str) -> type[Engine]:
     """The engine class registered under ``name`` (imported only when chosen: DeepSpeed is optional)."""
     module, _, cls = _ENGINES[name].partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def build_deepspeed_ops() -> list[OpBuild]:
+    """``lightning-shard build-ops``: DeepSpeed's compiled ops built ahead of any job
+    (:func:`lightning_shard.engines.deepspeed.ops.build_deepspeed_ops`)."""
+    # start-up cost: the DeepSpeed engine's package loads its engine, which nothing else imported here needs
+    from lightning_shard.engines.deepspeed.ops import build_deepspeed_ops as build
+
+    return build()
 
 
 def declared(name: str) -> Capabilities:

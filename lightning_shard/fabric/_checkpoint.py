@@ -19,12 +19,58 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.storage import Location
+from lightning_shard.core import Session
+
 MODEL_ENTRY = "state_dict"
 OPTIMIZERS_ENTRY = "optimizer_states"
 #: The Trainer reads a checkpoint's Lightning version before anything else (its migrations).
 VERSION_ENTRY = "pytorch-lightning_version"
 #: Entries the engine fills and reads itself: never the user's.
 _RESERVED = (MODEL_ENTRY, OPTIMIZERS_ENTRY, VERSION_ENTRY)
+
+
+def refuse_save_options(storage_options: Any, filter: Any) -> None:
+    if storage_options is not None or filter is not None:
+        given = "storage_options" if storage_options is not None else "filter"
+        raise TypeError(
+            f"fabric.save(..., {given}=...) is not supported by ShardFabricStrategy: every rank writes its own"
+            " shards with torch.distributed.checkpoint. Save the whole state, without it."
+        )
+
+
+def as_state(state: Any) -> dict[str, Any]:
+    """``fabric.load``'s state as a dict (a bare module is ``{"model": module}``); refused when empty."""
+    if isinstance(state, nn.Module):
+        state = {"model": state}
+    if not isinstance(state, dict) or not state:
+        raise ValueError(
+            f"ShardFabricStrategy loads into the set-up model: got fabric.load(path, state={state!r}). Pass"
+            " state={'model': model, 'optimizer': optimizer, ...}."
+        )
+    return state
+
+
+def save(
+    session: Session, parts: tuple[str, list[tuple[str, Optimizer]], dict[str, Any]], location: Location
+) -> None:
+    """The state's parts (:func:`split_state`) written by the session's engine in the Trainer's layout."""
+    _, optimizers, others = parts
+    checkpoint = to_checkpoint(
+        session.model_state(), [session.optimizer_state(optimizer) for _, optimizer in optimizers], others
+    )
+    session.save([optimizer for _, optimizer in optimizers], checkpoint, location)
+
+
+def load(
+    session: Session, state: dict[str, Any], location: Location, weights_only: bool | None, strict: bool
+) -> dict[str, Any]:
+    """The checkpoint at ``location`` read into the state's model, optimizers and other entries by the session's
+    engine; what the state did not ask for is returned."""
+    _, optimizers, others = split_state(state, session.model)
+    optimizer_list = [optimizer for _, optimizer in optimizers]
+    loaded = session.load(optimizer_list, location, weights_only, "ShardFabricStrategy", "fabric.load(path)")
+    return restore_entries(state, others, loaded, strict)
 
 
 def split_state(

@@ -1,6 +1,6 @@
-"""What ShardFabricStrategy checks and fixes up when Fabric sets a model up: flags that are Trainer hooks,
-and an optimizer built before sharding, pointed at the parameters that replaced the ones it holds; the launcher
-and the backward-sync control it hands Fabric."""
+"""What ShardFabricStrategy checks and fixes up when Fabric sets a model up: flags that are Trainer hooks, an
+optimizer built before sharding, pointed at the parameters that replaced the ones it holds, and one set up on its
+own after the model; the launcher and the backward-sync control it hands Fabric."""
 
 from __future__ import annotations
 
@@ -59,6 +59,31 @@ def rebind(
                     " model after set-up. Build the optimizer from model.parameters() of the model passed with it."
                 )
         group["params"] = params
+
+
+def check_optimizer_alone(
+    config: ShardConfig, module: nn.Module | None, optimizer: Optimizer, owns_step: bool
+) -> None:
+    """``fabric.setup_optimizers`` after ``fabric.setup_module``: the model is set up, the engine steps a torch
+    optimizer the loop holds, and the optimizer holds the set-up model's parameters."""
+    if module is None:
+        raise RuntimeError(
+            "ShardFabricStrategy: set the model up before its optimizer: model = fabric.setup_module(model),"
+            " then build the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer);"
+            " or pass both to fabric.setup(model, optimizer)."
+        )
+    if owns_step:
+        raise RuntimeError(
+            f"ShardFabricStrategy(engine={config.engine!r}) wraps the model and its optimizer together:"
+            " call fabric.setup(model, optimizer) instead of fabric.setup_module + fabric.setup_optimizers."
+        )
+    held = {id(p) for p in module.parameters()}
+    if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            f"ShardFabricStrategy(stage={config.stage}): the optimizer holds parameters that are not the set-up"
+            " model's (it was built before fabric.setup_module sharded the model). Build it after"
+            " fabric.setup_module(model) from model.parameters(), or pass both to fabric.setup(model, optimizer)."
+        )
 
 
 def refuse_trainer_only(config: ShardConfig) -> None:

@@ -38,6 +38,7 @@ from lightning_shard.fabric._precision import FabricShardPrecision
 from lightning_shard.fabric._setup import (
     EngineNoSync,
     FabricLauncher,
+    check_optimizer_alone,
     parameter_names,
     rebind,
     refuse_clip_on_owned_step,
@@ -183,24 +184,7 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None:
-            raise RuntimeError(
-                "ShardFabricStrategy: set the model up before its optimizer: model = fabric.setup_module(model),"
-                " then build the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer);"
-                " or pass both to fabric.setup(model, optimizer)."
-            )
-        if self._engines.owns_step:
-            raise RuntimeError(
-                f"ShardFabricStrategy(engine={self.config.engine!r}) wraps the model and its optimizer together:"
-                " call fabric.setup(model, optimizer) instead of fabric.setup_module + fabric.setup_optimizers."
-            )
-        held = {id(p) for p in self._module.parameters()}
-        if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError(
-                f"ShardFabricStrategy(stage={self.stage}): the optimizer holds parameters that are not the set-up"
-                " model's (it was built before fabric.setup_module sharded the model). Build it after"
-                " fabric.setup_module(model) from model.parameters(), or pass both to fabric.setup(model, optimizer)."
-            )
+        check_optimizer_alone(self.config, self._module, optimizer, self._engines.owns_step)
         (optimizer,) = self._running().setup_optimizers([optimizer], [], TrainSettings())
         self._replicas = _fault_tolerance.join(self, self._replicas, [optimizer])
         return optimizer
@@ -369,42 +353,23 @@ class ShardFabricStrategy(ProcessGroups, ParallelStrategy, _Sharded):
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
-        if storage_options is not None or filter is not None:
-            given = "storage_options" if storage_options is not None else "filter"
-            raise TypeError(
-                f"fabric.save(..., {given}=...) is not supported by ShardFabricStrategy: every rank writes its own"
-                " shards with torch.distributed.checkpoint. Save the whole state, without it."
-            )
+        _checkpoint.refuse_save_options(storage_options, filter)
         session = self._running()
         location = resolve(self.broadcast(str(path)), "fabric.save(path)")
-        _, optimizers, others = _checkpoint.split_state(state, session.model)
+        parts = _checkpoint.split_state(state, session.model)
         if self.refuse_write_after_failure(path) or not session.writes_checkpoints():
             return  # (with fault tolerance, the lowest live group writes)
-        checkpoint = _checkpoint.to_checkpoint(
-            session.model_state(), [session.optimizer_state(optimizer) for _, optimizer in optimizers], others
-        )
-        session.save([optimizer for _, optimizer in optimizers], checkpoint, location)
+        _checkpoint.save(session, parts, location)
 
     @override
     @guarded
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if isinstance(state, nn.Module):
-            state = {"model": state}
-        if not isinstance(state, dict) or not state:
-            raise ValueError(
-                f"ShardFabricStrategy loads into the set-up model: got fabric.load(path, state={state!r}). Pass"
-                " state={'model': model, 'optimizer': optimizer, ...}."
-            )
+        state = _checkpoint.as_state(state)
         session = self._running()
         location = follow_alias(resolve(self.broadcast(str(path)), "fabric.load(path)"))
-        _, optimizers, others = _checkpoint.split_state(state, session.model)
-        optimizer_list = [optimizer for _, optimizer in optimizers]
-        loaded = session.load(
-            optimizer_list, location, weights_only, "ShardFabricStrategy", "fabric.load(path)"
-        )
-        return _checkpoint.restore_entries(state, others, loaded, strict)
+        return _checkpoint.load(session, state, location, weights_only, strict)
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint ``fabric.save`` started writing (``async_checkpoint=True``) is committed."""

@@ -103,6 +103,22 @@ class ParallelDims:
             replica_id,
         )
 
+    @classmethod
+    def for_flags(cls, flags: Any, world_size: int) -> ParallelDims:
+        """The layout the strategy's flags (a ``ShardConfig``: each ``*_size`` flag, ``fault_tolerance``'s replica
+        groups) ask of ``world_size`` ranks: :meth:`for_world`, with its refusals."""
+        ft = flags.fault_tolerance
+        return cls.for_world(
+            world_size,
+            replicate_size=flags.replicate_size,
+            tensor_parallel_size=flags.tensor_parallel_size,
+            pipeline_parallel_size=flags.pipeline_parallel_size,
+            context_parallel_size=flags.context_parallel_size,
+            expert_parallel_size=flags.expert_parallel_size,
+            replica_groups=1 if ft is None else ft.replica_groups,
+            replica_id=0 if ft is None else ft.replica_id,
+        )
+
     # --- sizes by name ---------------------------------------------------------------------------
 
     @property
@@ -149,10 +165,16 @@ class ParallelDims:
         return self.replicate > 1 or self.tp > 1 or self.pp > 1
 
     @property
+    def model_split(self) -> bool:
+        """Whether the model's parameters are split over more than its data-parallel ranks (tensor-parallel
+        slices, pipeline stages or expert-parallel blocks): no rank holds the whole model."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
+
+    @property
     def global_clip(self) -> bool:
         """Whether a gradient norm must be reduced over more than the data-parallel mesh (parameters split
         over tensor-parallel, pipeline or expert-parallel ranks)."""
-        return self.multi_dimensional or self.ep > 1
+        return self.replicate > 1 or self.model_split
 
     # --- each rank's place -----------------------------------------------------------------------
 

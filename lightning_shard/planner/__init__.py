@@ -33,10 +33,11 @@ Example::
 
 from __future__ import annotations
 
+from lightning_shard.planner.activations import activation_bytes
 from lightning_shard.planner.device import available_device_memory
 from lightning_shard.planner.layout import Communication, Layout, pipeline_bubble, ring_allreduce_seconds
 from lightning_shard.planner.memory import Breakdown, Config
-from lightning_shard.planner.model import ModelShape, activation_bytes, build_on_meta, shape_from_module
+from lightning_shard.planner.model import ModelShape, build_on_meta, shape_from_module
 from lightning_shard.planner.result import JSON_VERSION, Plan
 from lightning_shard.planner.search import choose_stage, plan
 from lightning_shard.units import PlanInputError

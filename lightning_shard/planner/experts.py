@@ -20,7 +20,7 @@ is: its ``E / e`` experts of a unit, not all ``E``.
 
 Each MoE layer sends every token's ``k`` rows to the experts' ranks and back by all-to-all. What autograd
 keeps of them (each pair's routed input and output, ``k h (r + c)`` per token and layer) an MoE block keeps
-without expert parallelism too, as its experts' gathered rows (:func:`.model.block_activation_bytes`). What
+without expert parallelism too, as its experts' gathered rows (:func:`.activations.block_activation_bytes`). What
 expert parallelism adds is the exchange itself: while one layer dispatches, the send buffer and the receive
 buffer of its ``T k`` rows exist together, in the residual stream's dtype (``r`` bytes: fp32 under autocast,
 whose layer norms run in fp32); the combine and the backward's exchanges move the same rows in ``c <= r``::

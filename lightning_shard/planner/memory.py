@@ -27,7 +27,7 @@ Working buffers are what exists only during a step, on top of the model state an
 * whole matrices (a whole-matrix optimizer, ``muon``, where parameters are split: stages 2-3, tensor
   parallelism): during the step each rank holds the matrices it owns whole with their gradients (about 1/N of
   them, plus the largest matrix for the owners' imbalance), and one other matrix and its gradient as they
-  pass through (``engines/_whole_matrix.py``). Its optimizer state is 1/N per device, as ZeRO's.
+  pass through (``engines/fsdp/whole_matrix.py``). Its optimizer state is 1/N per device, as ZeRO's.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_shard.planner.activations import activation_bytes, block_activation_bytes
 from lightning_shard.planner.experts import all_to_all_bytes
-from lightning_shard.planner.model import Checkpointing, ModelShape, activation_bytes, block_activation_bytes
+from lightning_shard.planner.model import Checkpointing, ModelShape
 from lightning_shard.tiling import loss_tile
 
 Offload = Literal["none", "cpu", "nvme"]

@@ -10,7 +10,7 @@ docs/callbacks.md). ``EarlyStopping``, ``ModelCheckpoint`` + ``test(ckpt_path="b
   DTensors already report their global size) and names FSDP2-wrapped layers by the user's class.
 - ``LearningRateMonitor`` names its keys after the optimizer's class: at stage 1 the optimizer is torch's
   ``ZeroRedundancyOptimizer`` over the user's, and ``lr-SGD`` became ``lr-ZeroRedundancyOptimizer``; the
-  engine now builds it under the user's class name (``engines._zero.named_zero_class``).
+  engine now builds it under the user's class name (``engines.fsdp.zero.named_zero_class``).
 - ``Tuner.lr_find`` / ``LearningRateFinder`` put a torch LR scheduler on ``strategy.optimizers[0]``; DeepSpeed's
   ZeRO optimizer is not a torch ``Optimizer`` ("DeepSpeedZeroOptimizer is not an Optimizer"). The search runs
   on the torch optimizer DeepSpeed steps (its learning rates are the ones DeepSpeed uses).

@@ -2,8 +2,8 @@
 
 The session's engine writes and reads every kind (sharded DCP directories, one-file checkpoints, DeepSpeed's
 directories, async saves), committed atomically by :mod:`lightning_shard.checkpoint`. Here: ``ckpt_path="last"``
-found on an object store, whether a save is the Trainer's exception checkpoint, and the loaded state the hooks
-read under whole parameters.
+found on an object store, who writes a save and whether it is the Trainer's exception checkpoint, the
+``weights_only`` of the Trainer call, and the loaded state the hooks read under whole parameters.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_shard.checkpoint.storage import Remote, newest_last, resolve
 from lightning_shard.engines import declared
+from lightning_shard.trainer import _compat as trainer_compat
 
 
 def last_on_object_stores(strategy_class: type, trainer: Any) -> str | None:
@@ -37,6 +38,29 @@ def interrupted(module: Any) -> bool:
     to exit, not left to a background thread."""
     trainer = None if module is None else module.trainer
     return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+
+
+def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+    """``ShardStrategy.save_checkpoint``: nothing after a failed collective; with fault tolerance, only the group
+    that writes (a group leaving on an exception writes its own); an exception's save committed before return."""
+    if storage_options is not None:
+        raise TypeError(
+            "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
+        )
+    if strategy.refuse_write_after_failure(filepath):
+        return
+    exception = interrupted(strategy.lightning_module)
+    if not (exception or strategy._writes_checkpoints()):  # a group leaving writes its own
+        return
+    strategy._save_checkpoint(checkpoint, filepath, exception=exception)
+    if exception:
+        strategy._engines.wait_for_checkpoints()
+
+
+def weights_only_given(module: Any) -> bool | None:
+    """What the Trainer call was given: Lightning drops it for strategies that restore after set-up."""
+    trainer = getattr(module, "_trainer", None)
+    return getattr(trainer, trainer_compat.WEIGHTS_ONLY_ATTR, None)
 
 
 def with_module_state(checkpoint: dict[str, Any], module: nn.Module, engine: str) -> dict[str, Any]:

@@ -35,9 +35,11 @@ def _trainer_state(trainer: L.Trainer) -> dict[str, Any]:
     }
 
 
-def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups:
+def start(strategy: Any, trainer: L.Trainer) -> ReplicaGroups | None:
     """This process's :class:`ReplicaGroups`, its first quorum of this fit joined when Lightning has restored
-    any checkpoint."""
+    any checkpoint (None without ``fault_tolerance``)."""
+    if strategy.config.fault_tolerance is None:
+        return None
     connector = trainer._checkpoint_connector
     restore = connector.restore_training_state  # private Lightning API (docs/compatibility.md)
 

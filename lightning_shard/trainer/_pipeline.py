@@ -14,6 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from torch import Tensor
+
+from lightning_shard.context_parallel.batch import group_mean
+from lightning_shard.core import Session
 
 
 def check_contract(module: L.LightningModule, stages: int) -> None:
@@ -58,3 +62,25 @@ def predict_inputs(module: L.LightningModule, batch: Any) -> tuple[Any, ...]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         batch = batch[0]
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def pipeline_train_step(
+    session: Session, module: L.LightningModule, batch: Any, context_parallel: Any
+) -> Tensor:
+    """The schedule's forward and backward of every microbatch, in place of ``training_step``; the loss logged
+    as ``train_loss`` (over a context-parallel group, the whole sequences' loss)."""
+    # Lightning's division by accumulate_grad_batches is the scale, and Lightning zeroes gradients before its
+    # backward: the schedule's gradients are held until then (``hold``).
+    scale = 1.0 / module.trainer.accumulate_grad_batches
+    loss = session.pipeline_train_step(*split_batch(module, batch), scale, hold=True)
+    module.log("train_loss", group_mean(context_parallel, loss), prog_bar=True)
+    return loss
+
+
+def pipeline_eval_step(session: Session, module: L.LightningModule, batch: Any, name: str) -> Tensor:
+    """The schedule's forward only, in place of ``validation_step`` / ``test_step``; the loss logged as ``name``."""
+    loss = session.pipeline_eval_step(*split_batch(module, batch))
+    # Every stage holds the same value: the mean over all ranks is the data-parallel mean (and over a
+    # context-parallel group, of weighted losses, the whole sequences' loss).
+    module.log(name, loss, sync_dist=True)
+    return loss

@@ -29,7 +29,6 @@ from typing_extensions import override
 from lightning_shard import _ddp
 from lightning_shard.checkpoint.storage import Location, follow_alias, resolve
 from lightning_shard.context_parallel import scale_loss
-from lightning_shard.context_parallel.batch import group_mean
 from lightning_shard.core import ProcessGroups, Session, guarded, transform
 from lightning_shard.core.lifecycle import EngineLifecycle
 from lightning_shard.core.process_groups import reduce_tensor
@@ -42,12 +41,20 @@ from lightning_shard.trainer import _compat as trainer_compat
 from lightning_shard.trainer import _contexts as init_contexts
 from lightning_shard.trainer import _fault_tolerance as fault_tolerance
 from lightning_shard.trainer._callbacks import adapt as adapt_lightning_callbacks
-from lightning_shard.trainer._checkpoint import interrupted, last_on_object_stores, with_module_state
+from lightning_shard.trainer._checkpoint import (
+    last_on_object_stores,
+    save_checkpoint,
+    weights_only_given,
+    with_module_state,
+)
 from lightning_shard.trainer._data import position_loader
-from lightning_shard.trainer._pipeline import check_contract, predict_inputs, split_batch
+from lightning_shard.trainer._pipeline import (
+    check_contract,
+    pipeline_train_step,
+)
 from lightning_shard.trainer._preemption import Preemption
 from lightning_shard.trainer._processes import TrainerLauncher
-from lightning_shard.trainer._steps import backward_hooks_around, report_skip, warn_recompiles
+from lightning_shard.trainer._steps import backward, evaluate, optimizer_step, predict, warn_recompiles
 from lightning_shard.trainer.precision import ShardPrecision
 
 log = logging.getLogger(__name__)
@@ -156,16 +163,12 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         engine = self._engines.reusable()
         loss_fn = getattr(self._lm, "pipeline_loss", None)  # checked above, with pipeline stages
         self._session = transform.prepare(self._lm, self.config, policy, self, engine=engine, loss_fn=loss_fn)
-        if earlier is not None:  # skipped steps count over calls; the replica group outlives one
-            self._session.replicas = earlier.replicas
-            if earlier.guard is not None:
-                self._session.guard = earlier.guard
+        self._session.carry_over(earlier)  # skipped steps count over calls; the replica group outlives one
         self.model, self.config = self._session.model, self._session.config
         self._engines.adopt(self._session.engine)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.config.fault_tolerance is not None:
-                self._replicas = fault_tolerance.start(self, trainer)
+            self._replicas = fault_tolerance.start(self, trainer)
         self.setup_precision_plugin()
         # Lightning's own callbacks and tuner report as under DDPStrategy, or are refused with the fix.
         adapt_lightning_callbacks(trainer, self)
@@ -266,68 +269,33 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         session, module = self._live(), self._lm
         self._preemption.agree(self.root_device)
         fault_tolerance.before_batch(self._replicas)  # the quorum asked for after the last step, settled
-        if session.pipeline is None:
-            args, weight = session.cut(args)
-            with self.precision_plugin.train_step_context():
-                return scale_loss(session.call(module, "training_step", *args, **kwargs), weight)
-        # The schedule runs every microbatch's backward here: Lightning's division by accumulate_grad_batches
-        # is the scale, and Lightning zeroes gradients before its backward, so the schedule's wait aside.
-        scale = 1.0 / module.trainer.accumulate_grad_batches
-        loss = session.pipeline_train_step(*split_batch(module, args[0]), scale, hold=True)
-        module.log("train_loss", group_mean(self.context_parallel, loss), prog_bar=True)
-        return loss
+        if session.pipeline is not None:
+            return pipeline_train_step(session, module, args[0], self.context_parallel)
+        args, weight = session.cut(args)
+        with self.precision_plugin.train_step_context():
+            return scale_loss(session.call(module, "training_step", *args, **kwargs), weight)
 
     @override
     @guarded
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("validation_step", "val_loss", args, kwargs)
+        return evaluate(self._live(), self._lm, self.precision_plugin, "validation_step", args, kwargs)
 
     @override
     @guarded
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test_step", "test_loss", args, kwargs)
-
-    def _evaluate(self, method: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        session, module = self._live(), self._lm
-        if session.pipeline is not None:
-            loss = session.pipeline_eval_step(*split_batch(module, args[0]))
-            # Every stage holds the same value: the mean over all ranks is the data-parallel mean (and over a
-            # context-parallel group, of weighted losses, the whole sequences' loss).
-            module.log(name, loss, sync_dist=True)
-            return loss
-        args, _ = session.cut(args)
-        plugin = self.precision_plugin
-        with (plugin.val_step_context if name == "val_loss" else plugin.test_step_context)():
-            return session.call(module, method, *args, **kwargs)
+        return evaluate(self._live(), self._lm, self.precision_plugin, "test_step", args, kwargs)
 
     @override
     @guarded
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        session, module = self._live(), self._lm
-        if session.pipeline is not None:
-            return session.pipeline_predict_step(predict_inputs(module, args[0]))
-        args, _ = session.cut(args)
-        with self.precision_plugin.predict_step_context():
-            output = session.call(module, "predict_step", *args, **kwargs)
-        # trainer.predict returns what one process would: each output's chunks gathered over the group.
-        return session.gather(output)
+        return predict(self._live(), self._lm, self.precision_plugin, args, kwargs)
 
     @override
     @guarded
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        session, module = self._live(), self._lm
-        if session.pipeline is not None:
-            # The schedule ran every microbatch's backward in training_step: its gradients are added here.
-            backward_hooks_around(module.trainer, closure_loss, session.add_held_gradients)
-            return closure_loss
-        plugin = self.precision_plugin
-        closure_loss = plugin.pre_backward(closure_loss, module)
-        session.backward(
-            closure_loss,
-            manual=not module.automatic_optimization,
-            plain=lambda loss: plugin.backward(loss, module, optimizer, *args, **kwargs),
-        )
-        return plugin.post_backward(closure_loss, module)
+        plugin, module = self.precision_plugin, self._lm
+        plain = lambda loss: plugin.backward(loss, module, optimizer, *args, **kwargs)  # noqa: E731
+        return backward(self._live(), module, plugin, closure_loss, plain)
 
     @override
     @guarded
@@ -337,22 +305,9 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         return self._optimizer_step(optimizer, closure, model, **kwargs)
 
     def _optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        session, module = self._live(), self._lm
-        if self._engines.owns_step:
-            result = closure()
-            self.precision_plugin._after_closure(module, optimizer)
-            session.engine_step(optimizer)
-            return result
-        if session.guard is not None:
-            result = closure()
-            if session.skips(result, optimizer):
-                report_skip(module.trainer, session.skipped_steps, self.is_global_zero)
-                return None
-            closure = lambda: result  # noqa: E731  (the closure ran once already)
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not module.automatic_optimization:
-            session.after_manual_step()
-        return result
+        lightning_step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        plugin, owns_step = self.precision_plugin, self._engines.owns_step
+        return optimizer_step(self._live(), self._lm, plugin, optimizer, closure, lightning_step, owns_step)
 
     @property
     def replica_group(self) -> ReplicaGroups | None:  # fault_tolerance: participants, discarded, heals
@@ -403,18 +358,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "ShardStrategy.save_checkpoint(storage_options=...) is not supported: it writes with DCP."
-            )
-        if self.refuse_write_after_failure(filepath):
-            return
-        exception = interrupted(self.lightning_module)
-        if not (exception or self._writes_checkpoints()):  # a group leaving writes its own
-            return
-        self._save_checkpoint(checkpoint, filepath, exception=exception)
-        if exception:
-            self._engines.wait_for_checkpoints()
+        save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @guarded
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, exception: bool) -> None:
@@ -437,9 +381,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = follow_alias(self._checkpoint_location(checkpoint_path, "ckpt_path"))
         if weights_only is None:
-            # What the Trainer call was given: Lightning drops it for strategies that restore after set-up.
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            weights_only = getattr(trainer, trainer_compat.WEIGHTS_ONLY_ATTR, None)
+            weights_only = weights_only_given(self.lightning_module)
         checkpoint = self._live().load(self.optimizers, path, weights_only, "ShardStrategy", "ckpt_path")
         return with_module_state(checkpoint, self._lm, self.config.engine)
 

@@ -17,7 +17,7 @@ from lightning_shard import _compat
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.engines._gloo import use_cpu_collectives
 from lightning_shard.engines._redirect import DDPForwardRedirection
-from lightning_shard.engines._units import sharding_units
+from lightning_shard.engines.fsdp.units import sharding_units
 
 log = logging.getLogger(__name__)
 

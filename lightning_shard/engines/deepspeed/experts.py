@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_shard._optim import constructor_defaults
 from lightning_shard.checkpoint.layout import DEEPSPEED_EXPERTS, DEEPSPEED_TAG, expert_blocks_file
+from lightning_shard.engines.base import RunContext
 from lightning_shard.expert_parallel import expert_modules, expert_shards
 
 #: Set on a model whose expert blocks were made DeepSpeed MoE parameters.
@@ -112,6 +113,17 @@ def register_groups(ep_mesh: Any, data_mesh: Any) -> None:
     ):
         table[name] = mesh.get_group()
         ranks[name] = mesh.mesh.flatten().tolist()
+
+
+def optimizer_groups(model: nn.Module, optimizer: Optimizer, run: RunContext) -> ExpertGroups | None:
+    """Before ``deepspeed.initialize``: DeepSpeed's expert groups pointed at this run's meshes, and ``optimizer``
+    rebuilt with the expert blocks in groups of their own (None for a model without experts)."""
+    if not has_experts(model):
+        return None
+    meshes = run.meshes
+    assert meshes is not None and meshes.expert is not None
+    register_groups(meshes.expert_parallel, meshes.expert_data_parallel)
+    return split_groups(optimizer)
 
 
 @dataclass
@@ -211,9 +223,13 @@ def _ep(model: nn.Module) -> tuple[int, int]:
     return shard.ep_size, shard.ep_rank
 
 
-def save(engine: Any, folder: Path, client_state: dict[str, Any], data_rank: int) -> None:
-    """DeepSpeed's checkpoint of ``engine`` in ``folder``, and the expert blocks beside it (every rank calls)."""
+def save(engine: Any, folder: Path, client_state: dict[str, Any], run: RunContext) -> None:
+    """DeepSpeed's checkpoint of ``engine`` in ``folder``, and the expert blocks beside it (every rank calls;
+    the first rank of each expert data-parallel group writes its block)."""
     from deepspeed.utils import safe_get_full_fp32_param  # optional: DeepSpeed
+
+    assert run.meshes is not None
+    data_rank = run.meshes.expert_data_parallel.get_local_rank()
 
     size, rank = _ep(engine.module)
     blocks = {}

@@ -9,8 +9,8 @@ import torch
 
 from lightning_shard import offload
 from lightning_shard.config import ShardConfig
-from lightning_shard.engines._deepspeed_precision import COMM_DTYPES
 from lightning_shard.engines.base import RunContext, TrainSettings
+from lightning_shard.engines.deepspeed.precision import COMM_DTYPES
 
 
 def ds_config(

@@ -20,6 +20,7 @@ tensors (replicated, not DTensors) step as they are on every rank.
 Clipping and the non-finite skip have acted on the gradients before the step (over the whole gradient's norm).
 Each call of the user's optimizer steps one parameter: exact for optimizers whose update of a parameter reads
 only that parameter's own gradient, state and the group's scalars (Muon, Shampoo, SOAP, AdamW, ...).
+Which optimizers take this step is :mod:`lightning_shard.engines._matrix_optimizers`'s to say.
 """
 
 from __future__ import annotations
@@ -37,49 +38,10 @@ from torch.optim import Optimizer
 
 from lightning_shard._optim import replace_step
 from lightning_shard.engines import _named_state as named_state
+from lightning_shard.engines._matrix_optimizers import split_dims
 from lightning_shard.engines._shm import shared_memory_group
 
-#: Optimizer classes recognised as needing whole matrices, by module prefix and class name (none imported).
-KNOWN: tuple[tuple[str, str], ...] = (
-    ("torch.optim", "Muon"),
-    ("heavyball", "Muon"),
-    ("heavyball", "MuonAdamW"),
-    ("heavyball", "SOAP"),
-    ("heavyball", "ForeachSOAP"),
-    ("heavyball", "ForeachMuon"),
-    ("muon", "Muon"),
-    ("muon", "MuonWithAuxAdam"),
-    ("muon", "SingleDeviceMuon"),
-    ("muon", "SingleDeviceMuonWithAuxAdam"),
-)
-#: Optimizers that spread their own work over every rank of the world, each assumed to hold every weight whole.
-SELF_DISTRIBUTED: tuple[tuple[str, str], ...] = (("muon", "Muon"), ("muon", "MuonWithAuxAdam"))
 _MARK = "_lightning_shard_whole_matrix"
-
-
-def needs_whole_matrices(optimizer: Optimizer, flag: Any = None) -> bool:
-    """``flag`` (``ShardStrategy(matrix_optimizer=...)``): ``None`` recognises the known classes (:data:`KNOWN`,
-    subclasses included), ``True`` / ``False`` say it for every optimizer, a sequence of classes names them."""
-    if isinstance(flag, bool):
-        return flag
-    if flag is not None:
-        return isinstance(optimizer, tuple(flag))
-    return any(_named(cls, KNOWN) for cls in type(optimizer).__mro__)
-
-
-def _named(cls: type, known: tuple[tuple[str, str], ...]) -> bool:
-    """``cls`` is one of ``known``: its name, in the package (or a module of the package) named."""
-    return any(
-        cls.__name__ == name and (cls.__module__ == package or cls.__module__.startswith(f"{package}."))
-        for package, name in known
-    )
-
-
-def _split(p: Any) -> tuple[int, ...]:
-    """The mesh dimensions a DTensor parameter is split over (none for a plain tensor or a replicated one)."""
-    if not isinstance(p, DTensor):
-        return ()
-    return tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
 
 
 @dataclass
@@ -101,7 +63,7 @@ def _gather_group(mesh: Any, dims: tuple[int, ...]) -> _Gather:
 
 
 def _gather_of(param: DTensor) -> _Gather | None:
-    dims = _split(param)
+    dims = split_dims(param)
     if not dims:
         return None
     if param.device_mesh.mesh_dim_names is None:
@@ -118,7 +80,7 @@ def _groups_of(params: list[nn.Parameter]) -> dict[torch.Tensor, _Gather | None]
     out: dict[torch.Tensor, _Gather | None] = {}
     for p in params:
         if isinstance(p, DTensor):
-            key = (id(p.device_mesh), _split(p))
+            key = (id(p.device_mesh), split_dims(p))
             if key not in made:
                 made[key] = _gather_of(p)
             out[p] = made[key]
@@ -253,20 +215,6 @@ def _broadcast(whole: torch.Tensor, p: DTensor, gather: _Gather, owner: int, own
 
 def _stand_in(p: DTensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
-
-
-def check_own_distribution(optimizer: Optimizer, stage: int) -> None:
-    """Refuse an optimizer that distributes its own step over the world where the ranks do not all hold every
-    weight whole (anywhere but DDP's stage 0 without tensor parallelism)."""
-    split = any(_split(p) for group in optimizer.param_groups for p in group["params"])
-    if _named(type(optimizer), SELF_DISTRIBUTED) and (stage != 0 or split):
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"ShardStrategy(stage={stage}) cannot step muon.{name}: its step spreads the matrices over every rank"
-            " and all-gathers each one over the world, assuming every rank holds every weight whole, which only"
-            f" stage 0 without tensor parallelism gives. Use muon.SingleDevice{name}, the same update without its"
-            " own distribution: ShardStrategy then steps each matrix whole on one owner rank (docs/optimizers.md)."
-        )
 
 
 def takes_closure(optimizer: Optimizer) -> bool:

@@ -24,33 +24,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-import lightning_shard.engines._whole_matrix as _whole_matrix
-import lightning_shard.engines._zero as _zero
-from lightning_shard import _compat, _ddp, compression, fp8
-from lightning_shard import checkpoint as ckpt
+from lightning_shard import _compat
 from lightning_shard._meta import materialize
 from lightning_shard._optim import rebind_schedulers
-from lightning_shard.checkpoint.deepspeed_interop import load_into_fsdp
-from lightning_shard.checkpoint.storage import Location, Remote
-from lightning_shard.compression import hook_and_state
+from lightning_shard.checkpoint.storage import Location
 from lightning_shard.engines import _shm
-from lightning_shard.engines._ddp import wrap as wrap_ddp
-from lightning_shard.engines._fsdp2 import ForwardRedirection, fully_shard_model
-from lightning_shard.engines._fsdp_capabilities import FSDP
-from lightning_shard.engines._local_step import step_on_local_shards
+from lightning_shard.engines._matrix_optimizers import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines._redirect import prepare_for_backward
 from lightning_shard.engines.base import Engine, ReplicaSync, RunContext, StateBytes, TrainSettings
-from lightning_shard.expert_parallel import expert_modules
+from lightning_shard.engines.fsdp import checkpoint as checkpoints
+from lightning_shard.engines.fsdp import compression, experts, fp8, whole_matrix, zero
+from lightning_shard.engines.fsdp import state as state_dicts
+from lightning_shard.engines.fsdp.capabilities import FSDP
+from lightning_shard.engines.fsdp.local_step import step_on_local_shards
+from lightning_shard.engines.fsdp.sharding import ForwardRedirection, fully_shard_model
 from lightning_shard.memory import model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -59,19 +49,14 @@ log = logging.getLogger(__name__)
 class FSDPEngine(Engine):
     """Stages 0-3 on torch's own data-parallel building blocks, on any device mesh (gloo or nccl)."""
 
-    capabilities = FSDP  # what it serves: engines/_fsdp_capabilities.py
+    capabilities = FSDP  # what it serves: engines/fsdp/capabilities.py
 
-    compression_state: Any = None
+    compression_state: compression.CompressionState = None
     """``gradient_compression='powersgd'``: the hook and torch's ``PowerSGDState`` (in sharded checkpoints)."""
 
     def __init__(self, config: Any, precision: Any, run: RunContext) -> None:
         super().__init__(config, precision, run)
-        # Background checkpoint writes run on a process group of their own, made here on every rank.
-        self.async_checkpointer = (
-            ckpt.AsyncCheckpointer(run.is_global_zero, ckpt.new_checkpoint_group(config.timeout))
-            if config.async_checkpoint
-            else None
-        )
+        self.async_checkpointer = checkpoints.async_checkpointer(config, run)
 
     # With manual optimization the backward runs inside the step, before DDP's forward returns: this
     # redirection keeps DDP from arming its reducer a second time after the step.
@@ -103,7 +88,7 @@ class FSDPEngine(Engine):
             if self.run.dims.tp_enabled:
                 # torchao's cast at the gather reduces a weight's maximum over the data-parallel shards, not
                 # the tensor-parallel slices: the first step's scales are computed from the whole weight too.
-                self._refresh_fp8_scales(module)
+                fp8.refresh_scales(self.config, self.stage, module)
         elif self._replicates:
             self._materialize(module)
             module.to(self.run.device)
@@ -127,35 +112,31 @@ class FSDPEngine(Engine):
         if isinstance(module, FSDPModule):  # an earlier Trainer call's: point it at this call's groups
             _compat.refresh_fsdp_groups(module)
             return module
-        experts = self._experts(module)
-        if experts is not None:  # each expert block replicated over the ranks left, before the rest
-            for unit in experts[0]:
-                replicate(unit, mesh=experts[1], mp_policy=self.precision.fsdp_mp_policy())
+        experts.replicate_experts(module, self.run, replicate, self.precision.fsdp_mp_policy())
         replicate(module, mesh=self.mesh, mp_policy=self.precision.fsdp_mp_policy())
         return module
 
     def setup_optimizers(
         self, model: nn.Module, optimizers: list[Optimizer], schedulers: list[Any], settings: TrainSettings
     ) -> tuple[nn.Module, list[Optimizer]]:
-        whole = [_whole_matrix.needs_whole_matrices(opt, self.config.matrix_optimizer) for opt in optimizers]
-        closures = [_whole_matrix.takes_closure(opt) for opt in optimizers]
+        whole = [needs_whole_matrices(opt, self.config.matrix_optimizer) for opt in optimizers]
+        closures = [whole_matrix.takes_closure(opt) for opt in optimizers]
         for optimizer in optimizers:
-            _whole_matrix.check_own_distribution(optimizer, self.stage)
+            check_own_distribution(optimizer, self.stage)
         if self.stage == 1:
-            experts = self._expert_blocks(model)
+            blocks = experts.expert_blocks(model, self.run)
             sharded: list[Optimizer] = [
-                _zero.shard_optimizer(opt, self.mesh.get_group(), experts) for opt in optimizers
+                zero.shard_optimizer(opt, self.mesh.get_group(), blocks) for opt in optimizers
             ]
             rebind_schedulers(schedulers, optimizers, sharded)
             optimizers = sharded
         for optimizer, needs, closure in zip(optimizers, whole, closures, strict=True):
-            if self.stage != 1 and needs and _whole_matrix.step_whole_matrices(optimizer) is not None:
+            if self.stage != 1 and needs and whole_matrix.step_whole_matrices(optimizer) is not None:
                 continue  # each split matrix stepped whole on its owner (the closure run first)
             step_on_local_shards(optimizer)  # DTensor parameters: stages 2-3, tensor parallel
             if not closure:
-                _whole_matrix.run_closure_first(optimizer)
-        if self._precomputes_fp8_scales:
-            fp8.precompute_after_steps(model, optimizers)
+                whole_matrix.run_closure_first(optimizer)
+        fp8.precompute_after_steps(self.config, self.stage, model, optimizers)
         _compat.optimizers_to_device(optimizers, self.run.device)
         return model, optimizers
 
@@ -168,51 +149,12 @@ class FSDPEngine(Engine):
             self.precision.fsdp_mp_policy(),
             self.stage,
             group=self.stage == 2 and plain,
-            experts=self._experts(module),
+            experts=experts.experts_of(module, self.run),
         )
-
-    def _experts(self, module: nn.Module) -> tuple[list[nn.Module], Any] | None:
-        """Expert parallelism: the experts modules, and the mesh their blocks are sharded or replicated over."""
-        if not self.run.dims.ep_enabled:
-            return None
-        assert self.run.meshes is not None
-        return expert_modules(module), self.run.meshes.expert_data_parallel
-
-    def _expert_blocks(self, model: nn.Module) -> _zero.ExpertBlocks | None:
-        """Stage 1 under expert parallelism: the expert blocks, whose optimizer state is partitioned over the
-        ranks holding the same block (the mesh ``_replicate`` replicates them over), not the whole group."""
-        experts = self._experts(model)
-        if experts is None:
-            return None
-        assert self.run.meshes is not None
-        ep = self.run.meshes.expert_parallel
-        modules, data = experts
-        params = frozenset(p for module in modules for p in module.parameters())
-        return _zero.ExpertBlocks(params, ep, data.get_group())
 
     def _ddp(self, module: nn.Module) -> nn.Module:
-        device = self.mesh.device_type
-        device_ids = (
-            None if device == "cpu" else [torch.device(device, torch.accelerator.current_device_index())]
-        )
-        options = dict(self.config.ddp_kwargs)
-        reduce_dtype = self.precision.reduce_dtype
-        compression = self.config.gradient_compression
-        named = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(reduce_dtype)  # type: ignore[arg-type]
-        if compression is None and named is not None:
-            # ShardPrecision(reduce_dtype=...) at stages 0-1 is the same cast-and-all-reduce hook.
-            _ddp.check_comm_hook(options, reduce_dtype)
-            compression = {"method": named}
-        elif compression is not None and reduce_dtype is not None and named != compression["method"]:
-            raise ValueError(
-                f"ShardStrategy(gradient_compression={compression['method']!r}) and ShardPrecision("
-                f"reduce_dtype={reduce_dtype}) both set how gradients are all-reduced at stages 0-1. Keep one."
-            )
-        if compression is not None:
-            hook, state = hook_and_state(compression, self.mesh.get_group(), module)
-            options["ddp_comm_hook"], options["ddp_comm_state"] = hook, state
-            self.compression_state = (hook, state) if compression["method"] == "powersgd" else None
-        return wrap_ddp(module, self.mesh.get_group(), device_ids, options)
+        wrapped, self.compression_state = compression.wrap_ddp(module, self.config, self.precision, self.mesh)
+        return wrapped
 
     # --- training --------------------------------------------------------------------------------
 
@@ -240,10 +182,10 @@ class FSDPEngine(Engine):
 
     @property
     def _replicates(self) -> bool:
-        """Stage 0 runs on FSDP2's replicate() rather than DDP: with tensor parallelism (DTensor parameters)
-        and with pipeline stages (DDP's reducer cannot follow a schedule's backward per microbatch)."""
-        dims = self.run.dims
-        return dims.tp_enabled or dims.pp_enabled or dims.ep_enabled
+        """Stage 0 runs on FSDP2's replicate() rather than DDP wherever the model is split over more than its
+        data-parallel ranks: tensor parallelism (DTensor parameters), pipeline stages (DDP's reducer cannot follow
+        a schedule's backward per microbatch), expert-parallel blocks (replicated over their own mesh)."""
+        return self.run.dims.model_split
 
     def post_backward(self, model: nn.Module, manual: bool) -> None:
         if manual and self._gathers_across_step and not _compat.fsdp_is_unsharded(model):
@@ -284,61 +226,26 @@ class FSDPEngine(Engine):
         path: Location,
         exception: bool = False,
     ) -> None:
-        if self.config.checkpoint == "full":
-            if self.run.is_global_zero:
-                ckpt.save_file(checkpoint, path)
-            self.run.barrier()
-            return
-        state = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
-        for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[ckpt.optimizer_key(i)] = opt_state
-        if self.compression_state is not None:
-            hook, powersgd = self.compression_state
-            state[compression.STATE_KEY] = compression.state_dict(
-                hook, powersgd, self.run.global_rank, self.run.world_size
-            )
-        if self.async_checkpointer is not None and not self.async_checkpointer.closed:
-            self.async_checkpointer.save(state, checkpoint, path, self.run.barrier, alias=not exception)
-        else:
-            ckpt.save_sharded(path, state, checkpoint, self.run.is_global_zero, self.run.barrier)
+        writer, powersgd = self.async_checkpointer, self.compression_state
+        checkpoints.save(self.config, self.run, writer, checkpoint, path, powersgd, exception)
 
     def load_checkpoint(
         self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if self.async_checkpointer is not None:
-            self.async_checkpointer.wait()
-        if not isinstance(path, Remote) and ckpt.is_deepspeed_checkpoint(path):
-            loaded = load_into_fsdp(self, model, optimizers, path, weights_only)
-        elif path.is_dir():
-            loaded = ckpt.load_sharded_into(self, model, optimizers, path, weights_only)
-        else:
-            loaded = ckpt.load_full_into(self, model, optimizers, path, weights_only)
-        self._refresh_fp8_scales(model)
+        loaded = checkpoints.load(self, self.async_checkpointer, model, optimizers, path, weights_only)
+        fp8.refresh_scales(self.config, self.stage, model)
         return loaded
 
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         super().load_full_weights(module, path)
-        self._refresh_fp8_scales(module)
-
-    @property
-    def _precomputes_fp8_scales(self) -> bool:
-        settings = self.config.fp8
-        return settings is not None and settings.all_gather and settings.precompute_scales and self.stage >= 2
-
-    def _refresh_fp8_scales(self, model: nn.Module) -> None:
-        """New weights: the float8 gathers' scales computed after the last step are stale."""
-        if self._precomputes_fp8_scales:
-            fp8.precompute_scales(model)
+        fp8.refresh_scales(self.config, self.stage, module)
 
     def communication_load_target(self, metadata: Any) -> dict[str, torch.Tensor] | None:
         """Where a sharded checkpoint's PowerSGD state is read to (None: nothing to read)."""
-        if self.compression_state is None:
-            return None
-        return compression.load_target(metadata, self.run.global_rank)
+        return compression.load_target(self.compression_state, metadata, self.run)
 
     def load_communication_state(self, saved: dict[str, torch.Tensor]) -> None:
-        hook, powersgd = self.compression_state
-        compression.load_state_dict(hook, powersgd, saved, self.run.global_rank, self.run.world_size)
+        compression.load_state(self.compression_state, saved, self.run)
 
     def remove_checkpoint(self, path: Location) -> None:
         if self.async_checkpointer is not None:
@@ -360,7 +267,7 @@ class FSDPEngine(Engine):
 
     def replica_sync(self, model: nn.Module) -> ReplicaSync:
         # DDP's buckets averaged inside the group through shared memory first; whole-matrix state by name.
-        return ReplicaSync(within=_shm.allreduce_hook, own_state=_whole_matrix.WholeMatrixState(model))
+        return ReplicaSync(within=_shm.allreduce_hook, own_state=whole_matrix.WholeMatrixState(model))
 
     def wait_for_checkpoints(self) -> None:
         if self.async_checkpointer is not None:
@@ -374,64 +281,20 @@ class FSDPEngine(Engine):
     # --- state dicts -----------------------------------------------------------------------------
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
-        return state if self.config.fp8 is None else fp8.plain_state_dict(state)
+        return state_dicts.model_state_dict(model, self.config, full)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any], full: bool) -> None:
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=True))
+        state_dicts.load_model_state_dict(model, state, full)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
-        if self.stage == 1:
-            return _zero.optimizer_state_dict(model, optimizer, full)
-        if _whole_matrix.whole_matrix_step(optimizer) is not None:
-            return _whole_matrix.optimizer_state_dict(model, optimizer, full)
-        return get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
-        )
+        return state_dicts.optimizer_state_dict(model, optimizer, self.stage, full)
 
     def optimizer_load_target(
         self, model: nn.Module, optimizer: Optimizer, meta: Any, key: str
     ) -> dict[str, Any]:
-        if self.stage == 1:
-            return _zero.load_target(model, optimizer, meta, key)
-        if _whole_matrix.whole_matrix_step(optimizer) is not None:
-            return _whole_matrix.load_target(model, optimizer, meta, key)
-        return get_optimizer_state_dict(model, optimizer)
+        return state_dicts.optimizer_load_target(model, optimizer, self.stage, meta, key)
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], full: bool
     ) -> None:
-        if self.stage == 1:
-            _zero.load_optimizer_state_dict(model, optimizer, state)
-            return
-        if _whole_matrix.whole_matrix_step(optimizer) is not None:
-            _whole_matrix.load_optimizer_state_dict(model, optimizer, state)
-            return
-        if full and not any(state.get("state", {}).values()):
-            # A stateless optimizer (SGD without momentum) saved nothing per parameter; torch's full-state
-            # loader cannot place "nothing" on a device, so only the hyperparameters are restored.
-            for group, saved in zip(optimizer.param_groups, state.get("param_groups", []), strict=False):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            return
-        if not full:
-            state = _with_live_params(model, optimizer, state)
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=full))
-
-
-def _with_live_params(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with each param group listing this optimizer's own parameter names, group by group.
-
-    Each rank saves its param groups; DCP keeps one rank's copy of each entry. Under pipeline stages each
-    stage's groups list only its own parameters, so the copy kept lists one stage's: torch would then map
-    no other stage's parameters to a group. Hyperparameters are the same on every stage and come from
-    the checkpoint by group index, per-parameter state by name; the names come from the live optimizer.
-    """
-    live: list[Any] = list(get_optimizer_state_dict(model, optimizer)["param_groups"])
-    saved = state.get("param_groups", [])
-    if len(saved) != len(live):
-        raise ValueError(
-            f"The checkpoint's optimizer has {len(saved)} param groups but configure_optimizers() made"
-            f" {len(live)}. Resume with the same optimizer set-up."
-        )
-    groups = [{**group, "params": own["params"]} for group, own in zip(saved, live, strict=True)]
-    return {**state, "param_groups": groups}
+        state_dicts.load_optimizer_state_dict(model, optimizer, self.stage, state, full)

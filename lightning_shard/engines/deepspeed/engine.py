@@ -18,38 +18,31 @@ done by DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_shard import checkpoint as ckpt
-from lightning_shard import offload
 from lightning_shard._meta import has_meta, init_hook, materialize
 from lightning_shard._optim import rebind_schedulers
-from lightning_shard.checkpoint.deepspeed_interop import load_into_deepspeed
-from lightning_shard.checkpoint.lightning_format import DEEPSPEED_ENTRIES
-from lightning_shard.checkpoint.staged import downloaded, write_staged
-from lightning_shard.checkpoint.storage import Location, Remote
-from lightning_shard.checkpoint.weights import deepspeed_model_states
-from lightning_shard.engines import _deepspeed_experts as experts
-from lightning_shard.engines import _deepspeed_matrix as matrices
-from lightning_shard.engines._deepspeed_capabilities import DEEPSPEED
-from lightning_shard.engines._deepspeed_config import ds_config
-from lightning_shard.engines._deepspeed_precision import (
+from lightning_shard.checkpoint.storage import Location
+from lightning_shard.engines._matrix_optimizers import check_own_distribution, needs_whole_matrices
+from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
+from lightning_shard.engines.deepspeed import checkpoint as checkpoints
+from lightning_shard.engines.deepspeed import experts, offload
+from lightning_shard.engines.deepspeed import whole_matrix as matrices
+from lightning_shard.engines.deepspeed.capabilities import DEEPSPEED
+from lightning_shard.engines.deepspeed.config import ds_config
+from lightning_shard.engines.deepspeed.ops import cpu_adam
+from lightning_shard.engines.deepspeed.precision import (
     DeepSpeedPrecision,
     check_device_precision,
     check_precision,
 )
-from lightning_shard.engines._deepspeed_weights import load_partitioned, rebind_partitioned
-from lightning_shard.engines._ds_ops import cpu_adam
-from lightning_shard.engines._whole_matrix import check_own_distribution, needs_whole_matrices
-from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
+from lightning_shard.engines.deepspeed.weights import load_partitioned, rebind_partitioned
 
 log = logging.getLogger(__name__)
-TAG = ckpt.DEEPSPEED_TAG
 #: Set on a module once this engine has set it up (a later Trainer call finds it partitioned by the fit).
 _SET_UP = "_lightning_shard_deepspeed_set_up"
 
@@ -57,7 +50,7 @@ _SET_UP = "_lightning_shard_deepspeed_set_up"
 class DeepSpeedEngine(Engine):
     """Builds the DeepSpeed config from ShardStrategy's flags and drives ``deepspeed.initialize``'s engine."""
 
-    capabilities = DEEPSPEED  # what it serves: engines/_deepspeed_capabilities.py
+    capabilities = DEEPSPEED  # what it serves: engines/deepspeed/capabilities.py
     owns_step = capabilities.owns_step
     precision_class = DeepSpeedPrecision
 
@@ -155,14 +148,6 @@ class DeepSpeedEngine(Engine):
         """DeepSpeed's JSON config for these flags and the Trainer's accumulation and clipping."""
         return ds_config(self.config, self.precision, self.run, self.stage, settings)
 
-    def _swap_bytes(self, module: nn.Module, world_size: int) -> int:
-        """This rank's bytes on NVMe: fp32 master + two Adam moments (12 B/param), fp32 parameters (4 B)."""
-        numel = sum(p.numel() for p in module.parameters()) / max(world_size, 1)
-        per_param = (12 if self.config.offload_optimizer == "nvme" else 0) + (
-            4 if self.config.offload_params == "nvme" else 0
-        )
-        return int(numel * per_param)
-
     def _initialize(self, module: nn.Module, optimizers: list[Optimizer], config: dict) -> tuple:
         import deepspeed  # optional: DeepSpeed
 
@@ -171,21 +156,11 @@ class DeepSpeedEngine(Engine):
                 f"ShardStrategy(engine='deepspeed') trains with exactly one optimizer; configure_optimizers returned"
                 f" {len(optimizers)}. Return one optimizer (with param groups), or use engine='fsdp'."
             )
-        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
-            assert self.config.nvme_path is not None
-            offload.clear_swap(
-                self.config.nvme_path, self.run.global_rank, remove_parent=False
-            )  # a crashed run's leftovers
-            offload.check_nvme_path(self.config.nvme_path, self._swap_bytes(module, self.run.world_size))
-            offload.swap_dir(self.config.nvme_path, self.run.global_rank).mkdir(parents=True, exist_ok=True)
+        offload.prepare_swap(self.config, module, self.run)
         deepspeed.init_distributed(dist_backend=self.run.backend, auto_mpi_discovery=False, verbose=False)
         optimizer = optimizers[0]
-        self._expert_groups = None
-        if experts.has_experts(module):
-            meshes = self.run.meshes
-            assert meshes is not None and meshes.expert is not None
-            experts.register_groups(meshes.expert_parallel, meshes.expert_data_parallel)
-            self._expert_groups = experts.split_groups(optimizer)
+        self._expert_groups = experts.optimizer_groups(module, optimizer, self.run)
+        if self._expert_groups is not None:
             optimizer = self._expert_groups.optimizer
         optimizer = cpu_adam(optimizer, self.config.offload_optimizer)
         if self._expert_groups is not None:
@@ -231,77 +206,13 @@ class DeepSpeedEngine(Engine):
         path: Location,
         exception: bool = False,
     ) -> None:
-        """DeepSpeed's per-rank checkpoint, committed like every other (``NAME.tmp``, then rename; on an object
-        store, each rank's files staged locally and uploaded, then the marker: :mod:`~lightning_shard.checkpoint.staged`).
-
-        DeepSpeed writes synchronously and never links one checkpoint to another: ``exception`` changes
-        nothing."""
-        checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
-        checkpoint.pop("optimizer_states", None)
-
-        def write(tmp: Path) -> None:
-            if self._expert_groups is not None:
-                assert self.run.meshes is not None
-                experts.save(model, tmp, checkpoint, self.run.meshes.expert_data_parallel.get_local_rank())
-            else:
-                model.save_checkpoint(str(tmp), tag=TAG, client_state=checkpoint)  # type: ignore[operator]
-            if matrices.whole_matrix_step(model) is not None:
-                matrices.save(model, tmp)
-
-        if isinstance(path, Remote):  # DeepSpeed writes local files only
-            write_staged(path, write, self.run.is_global_zero, self.run.barrier)
-        else:
-            ckpt.write_committed(path, write, self.run.is_global_zero, self.run.barrier)
+        checkpoints.save(model, checkpoint, path, self.run, split=self._expert_groups is not None)
 
     def load_checkpoint(
         self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if isinstance(path, Remote):  # DeepSpeed reads local files only
-            with downloaded(path) as local:
-                return self._load_local(model, local, weights_only)
-        return self._load_local(model, path, weights_only)
-
-    def _load_local(self, model: nn.Module, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        ckpt.check_deepspeed_checkpoint(path)
-        if weights_only is not False:
-            # DeepSpeed unpickles its files with weights_only=False: their globals are checked first.
-            ckpt.check_deepspeed_files(path)
-        if not hasattr(model, "load_checkpoint"):
-            return self._load_weights_only(model, path)
-        run = self.run
-        experts.check_resume(path, model, run.world_size)
-        if self._expert_groups is not None:
-            return {k: v for k, v in experts.load(model, path).items() if k not in DEEPSPEED_ENTRIES}
-        # Saved on another world size: through DeepSpeed's universal checkpoint (or its weights alone).
-        moved = load_into_deepspeed(
-            model, path, run.world_size, run.is_global_zero, run.barrier, self.precision.is_mixed
-        )
-        if moved is None:
-            load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
-                str(path), tag=TAG, load_lr_scheduler_states=False
-            )
-            if load_path is None:
-                raise ValueError(f"DeepSpeed found no checkpoint under {str(path)!r} (tag {TAG!r}).")
-            # What the caller saved beside the model: DeepSpeed's own entries are read by DeepSpeed alone.
-            moved = {key: value for key, value in client_state.items() if key not in DEEPSPEED_ENTRIES}
-        if matrices.whole_matrix_step(model) is not None:  # the owned entries, moved to this run's owners
-            matrices.load(model, path)
-        return moved
-
-    def _load_weights_only(self, model: nn.Module, path: Path) -> dict[str, Any]:
-        """Outside fit there is no DeepSpeed engine: load the full fp32 weights (evaluation needs no more).
-
-        Parameters an earlier fit partitioned (ZeRO-3) are filled through DeepSpeed's gather: a plain
-        ``load_state_dict`` would copy into their empty local storage and change nothing."""
-        weights = ckpt.load_model_weights(path, weights_only=False)  # its files were checked above
-        weights = experts.local_weights(model, weights)  # expert parallelism: this rank's blocks
-        state = deepspeed_model_states(path)
-        ckpt.load_full_state_dict(
-            model, weights, path, self.run.is_global_zero, state.get("hyper_parameters")
-        )
-        # Lightning's entries (loops, callbacks, hyperparameters) sit beside DeepSpeed's in this file;
-        # Lightning reads only its own, so only DeepSpeed's bulky ones (weights, optimizer) are dropped.
-        return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
+        mixed, split = self.precision.is_mixed, self._expert_groups is not None
+        return checkpoints.load(model, path, weights_only, self.run, mixed, split)
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
         return {}  # DeepSpeed writes model and optimizer state itself, per rank
@@ -330,19 +241,14 @@ class DeepSpeedEngine(Engine):
         for value in [v for state in inner.state.values() for v in state.values()] + owned:
             if torch.is_tensor(value) and value.dim() > 0:
                 held.add("optimizer", value)
-        if self.config.nvme_path is not None:
-            swapped = sum(
-                f.stat().st_size
-                for f in offload.swap_dir(self.config.nvme_path, self.run.global_rank).rglob("*")
-                if f.is_file()
-            )
-            key = "optimizer" if self.config.offload_optimizer == "nvme" else "parameters"
-            held.held[key]["nvme"] = swapped
+        swapped = offload.swapped(self.config, self.run)
+        if swapped is not None:
+            kind, nbytes = swapped
+            held.held[kind]["nvme"] = nbytes
         return held
 
     def teardown(self) -> None:
-        if self.config.nvme_path is not None:
-            offload.clear_swap(self.config.nvme_path, self.run.global_rank)
+        offload.clear(self.config, self.run)
 
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):
