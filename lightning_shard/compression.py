@@ -12,6 +12,11 @@ way to compress them (``torch.distributed.algorithms.ddp_comm_hooks``):
   steps of plain all-reduce before compression starts, torch's default 1000; ``min_compression_rate``,
   ``warm_start``, ``orthogonalization_epsilon``, ``random_seed``...).
 
+* ``"onebit_adam"`` or ``{"method": "onebit_adam", "freeze_step": n}`` (stage 0): 1-bit Adam
+  (:mod:`lightning_shard.onebit`): the user's Adam / AdamW exact through ``freeze_step`` optimizer steps (default
+  1000), then its momentum averaged as signs with error feedback and its variance frozen. Its error feedback
+  is each rank's, saved under each rank's keys as PowerSGD's is.
+
 PowerSGD's state travels in sharded checkpoints (:func:`state_dict` / :func:`load_state_dict`), keyed by
 parameter name (:class:`PowerSGDHook`: DDP's buckets change between a run and its resume): the step count,
 the random generator, the warm-start factors (the same on every rank) and each rank's error feedback
@@ -38,6 +43,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
+from lightning_shard.onebit import OneBitHook
+
 log = logging.getLogger(__name__)
 
 #: The key of PowerSGD's state in a sharded checkpoint.
@@ -49,7 +56,7 @@ def _powersgd_arguments() -> set[str]:
     return set(inspect.signature(PowerSGDState.__init__).parameters) - {"self", "process_group"}
 
 
-def check_compression(value: Any, checkpoint: str) -> dict | None:
+def check_compression(value: Any, checkpoint: str, stage: Any = 0) -> dict | None:
     """``gradient_compression=`` as ``{"method": ..., **options}``, or a ``ValueError`` naming the fix. Whether the
     engine has a DDP wrapper to hook at the stage is its ``Capabilities.ddp_options_stages``."""
     if value is None:
@@ -57,11 +64,14 @@ def check_compression(value: Any, checkpoint: str) -> dict | None:
     flag = f"ShardStrategy(gradient_compression={value!r})"
     if isinstance(value, str):
         value = {"method": value}
-    if not isinstance(value, dict) or value.get("method") not in ("bf16", "fp16", "powersgd"):
+    if not isinstance(value, dict) or value.get("method") not in ("bf16", "fp16", "powersgd", "onebit_adam"):
         raise ValueError(
-            f"{flag} must be 'bf16', 'fp16', 'powersgd' or a dict {{'method': 'powersgd', 'rank': 4, ...}}."
+            f"{flag} must be 'bf16', 'fp16', 'powersgd', 'onebit_adam' or a dict {{'method': 'powersgd', 'rank': 4,"
+            " ...}} / {'method': 'onebit_adam', 'freeze_step': 1000}."
         )
     method = value["method"]
+    if method == "onebit_adam":
+        return _check_onebit(flag, value, checkpoint, stage)
     options = {str(_RENAMED.get(k, k)): v for k, v in value.items() if k != "method"}
     if method != "powersgd" and options:
         raise ValueError(f"{flag}: {method} takes no options; only 'powersgd' does (rank, start_iter, ...).")
@@ -79,9 +89,37 @@ def check_compression(value: Any, checkpoint: str) -> dict | None:
     return {"method": method, **options}
 
 
+def _check_onebit(flag: str, value: dict[str, Any], checkpoint: str, stage: Any) -> dict[str, Any]:
+    unknown = sorted(set(value) - {"method", "freeze_step"})
+    if unknown:
+        raise ValueError(
+            f"{flag} has {unknown}; 1-bit Adam takes 'freeze_step' (the exact Adam steps before it)."
+        )
+    freeze_step = value.get("freeze_step", 1000)
+    if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
+        raise ValueError(
+            f"{flag}: freeze_step={freeze_step!r} must be an int >= 1: the exact Adam steps that settle the variance"
+            " before it is frozen (the paper uses 15-25% of the run's steps)."
+        )
+    if stage != 0:
+        raise ValueError(
+            f"{flag} needs stage=0, got stage={stage!r}: after its warm-up each rank folds its own gradient into the"
+            " whole momentum, which ZeRO-1 partitions across the ranks and stages 2-3 never see unreduced"
+            " (FSDP2 reduce-scatters without a hook). Use stage=0, or gradient_compression='powersgd' at stage 1."
+        )
+    if checkpoint == "full":
+        raise ValueError(
+            f"{flag} keeps error feedback on every rank, which checkpoint='full' (rank 0's one file) would"
+            " lose. Use checkpoint='sharded'."
+        )
+    return {"method": "onebit_adam", "freeze_step": freeze_step}
+
+
 def hook_and_state(compression: dict[str, Any], group: Any, module: nn.Module) -> tuple[Any, Any]:
     """The DDP communication hook and its state for ``compression`` (:func:`check_compression`'s result)."""
     method = compression["method"]
+    if method == "onebit_adam":
+        return OneBitHook(compression["freeze_step"]), group
     if method == "bf16":
         return default_hooks.bf16_compress_hook, group
     if method == "fp16":
@@ -178,9 +216,12 @@ def _factor_sizes(state: Any, layout: Layout, kind: str) -> list[tuple[str, int]
     return [piece for pieces in by_shape.values() for piece in pieces]
 
 
-def state_dict(hook: PowerSGDHook, state: Any, rank: int, world_size: int) -> dict[str, Tensor]:
+def state_dict(hook: PowerSGDHook | OneBitHook, state: Any, rank: int, world_size: int) -> dict[str, Tensor]:
     """PowerSGD's state as tensors keyed by parameter name (``weights_only``-safe): the step, the generator
-    and the warm-start factors (the same on every rank), and this rank's error feedback."""
+    and the warm-start factors (the same on every rank), and this rank's error feedback (1-bit Adam's: this
+    rank's error feedback)."""
+    if isinstance(hook, OneBitHook):
+        return hook.state_dict(rank, world_size)
     _, keys, pos, has_gauss, cached = state.rng.get_state()
     out: dict[str, Tensor] = {
         "iter": torch.tensor(state.iter),
@@ -205,9 +246,11 @@ def load_target(metadata: Any, rank: int) -> dict[str, Tensor] | None:
         for fqn, meta in metadata.state_dict_metadata.items()
         if fqn.startswith(prefix) and hasattr(meta, "size")
     }
-    if "iter" not in entries:
+    if "world_size" not in entries:
         return None
-    own = f"rank{rank}.error."
+    own = (
+        f"rank{rank}."  # this rank's error feedback (PowerSGD's "rank{r}.error.*", 1-bit Adam's "rank{r}.*")
+    )
     return {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in entries.items()
@@ -216,10 +259,18 @@ def load_target(metadata: Any, rank: int) -> dict[str, Tensor] | None:
 
 
 def load_state_dict(
-    hook: PowerSGDHook, state: Any, saved: dict[str, Tensor], rank: int, world_size: int
+    hook: PowerSGDHook | OneBitHook, state: Any, saved: dict[str, Tensor], rank: int, world_size: int
 ) -> None:
     """Restore :func:`state_dict`'s tensors (error feedback and factors only on the same world size); they are
     put into buckets as each bucket next arrives."""
+    if isinstance(hook, OneBitHook):
+        hook.load_state_dict(saved, rank, world_size)
+        return
+    if "iter" not in saved:
+        raise ValueError(
+            "ShardStrategy(gradient_compression='powersgd'): the checkpoint holds another method's compression"
+            " state; resume with the gradient_compression it was written with."
+        )
     state.iter = int(saved["iter"])
     pos, has_gauss = (int(v) for v in saved["rng_rest"])
     keys = saved["rng_keys"].numpy().astype(np.uint32)

@@ -106,7 +106,7 @@ class ShardConfig(ShardFlags):
         _check_tiling(flags.tiled_mlp, flags.tiled_loss, flags.pipeline_parallel_size)
         compile_kwargs = check_compile(flags.compile)
         fp8 = check_fp8(flags.fp8, stage, flags.tensor_parallel_size)
-        compression = check_compression(flags.gradient_compression, flags.checkpoint)
+        compression = check_compression(flags.gradient_compression, flags.checkpoint, stage)
         if compression is not None and (ddp_kwargs or {}).get("ddp_comm_hook") is not None:
             raise ValueError(
                 f"ShardStrategy(gradient_compression={flags.gradient_compression!r}) and ddp_comm_hook=... both set how"

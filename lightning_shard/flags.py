@@ -242,8 +242,9 @@ class ShardFlags:
     gradient_compression: str | dict[str, Any] | None = _flag(
         None,
         "stages 0-1: ``'bf16'``, ``'fp16'``, ``'powersgd'`` or ``{'method': 'powersgd', 'rank': r,"
-        " 'start_iter': n, ...}``, through DDP's communication hooks.",
-        "compression.py, engines/fsdp/compression.py",
+        " 'start_iter': n, ...}``, through DDP's communication hooks; stage 0: ``'onebit_adam'`` or"
+        " ``{'method': 'onebit_adam', 'freeze_step': n}`` (1-bit Adam for an Adam / AdamW).",
+        "compression.py, onebit.py, engines/fsdp/compression.py",
     )
     matrix_optimizer: bool | Sequence[str | type] | None = _flag(
         None,

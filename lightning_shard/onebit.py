@@ -214,3 +214,82 @@ class OneBitAdam:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.allreduce.load_state_dict(state)
+
+
+class OneBitHook:
+    """DDP's communication hook under ``gradient_compression='onebit_adam'`` (stage 0): through the warm-up
+    the gradients' mean (torch's ``allreduce_hook``), after it each rank's own gradients, untouched, for
+    :meth:`OneBitAdam.step` to fold into the momentum. :meth:`attach` hands it the optimizer, whose ``step``
+    then takes the compressed path once the warm-up is over (Lightning's closure runs first, as before)."""
+
+    def __init__(self, freeze_step: int) -> None:
+        self.__name__ = self.__qualname__ = "onebit_adam_hook"  # Lightning logs a hook by its name
+        self.freeze_step = freeze_step
+        self.onebit: OneBitAdam | None = None
+        self.pending: dict[str, Any] | None = None  # error feedback read from a checkpoint before attach
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        if self.onebit is None or not self.onebit.frozen():
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            return default_hooks.allreduce_hook(state, bucket)
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    def attach(self, optimizer: torch.optim.Optimizer, group: Any) -> None:
+        onebit = OneBitAdam(optimizer, self.freeze_step, group)
+        if self.pending is not None:
+            onebit.load_state_dict(self.pending)
+            self.pending = None
+        self.onebit = onebit
+        exact = optimizer.step
+
+        def step(closure: Any = None) -> Any:
+            if not onebit.frozen():
+                return exact(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            onebit.step()
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+
+    def state_dict(self, rank: int, world_size: int) -> dict[str, Tensor]:
+        """This rank's error feedback under its own keys (tensors only: ``weights_only``-safe)."""
+        out = {"world_size": torch.tensor(world_size)}
+        if self.onebit is not None:
+            out.update({f"rank{rank}.{k}": v for k, v in self.onebit.state_dict().items()})
+        return out
+
+    def load_state_dict(self, saved: dict[str, Tensor], rank: int, world_size: int) -> None:
+        if "iter" in saved:
+            raise ValueError(
+                "ShardStrategy(gradient_compression='onebit_adam'): the checkpoint holds PowerSGD's state; resume"
+                " with the gradient_compression it was written with."
+            )
+        own = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith(f"rank{rank}.")}
+        if int(saved["world_size"]) != world_size or not own:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "ShardStrategy(gradient_compression='onebit_adam'): the checkpoint was written on %d ranks and"
+                " resumes on %d: the error feedback starts over (the momentum and frozen variance carry on).",
+                int(saved["world_size"]),
+                world_size,
+            )
+            return
+        if self.onebit is None:
+            self.pending = own
+        else:
+            self.onebit.load_state_dict(own)
+
+
+# DDP checks a hook's annotations as objects, not the strings postponed evaluation leaves.
+OneBitHook.__call__.__annotations__ = {
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

@@ -11,7 +11,20 @@ from lightning_shard import ShardStrategy
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (dict(gradient_compression="int4"), r"must be 'bf16', 'fp16', 'powersgd' or a dict"),
+        (dict(gradient_compression="int4"), r"must be 'bf16', 'fp16', 'powersgd', 'onebit_adam' or a dict"),
+        (dict(stage=1, gradient_compression="onebit_adam"), r"needs stage=0, got stage=1.*ZeRO-1 partitions"),
+        (
+            dict(stage=0, gradient_compression={"method": "onebit_adam", "freeze_step": 0}),
+            r"freeze_step=0 must be an int >= 1",
+        ),
+        (
+            dict(stage=0, gradient_compression={"method": "onebit_adam", "chunks": 4}),
+            r"has \['chunks'\]; 1-bit Adam takes 'freeze_step'",
+        ),
+        (
+            dict(stage=0, checkpoint="full", gradient_compression="onebit_adam"),
+            r"checkpoint='full'.*'sharded'",
+        ),
         (dict(gradient_compression={"method": "fp16", "rank": 2}), r"fp16 takes no options"),
         (
             dict(gradient_compression={"method": "powersgd", "ranks": 2}),

@@ -205,3 +205,67 @@ def test_what_onebit_adam_cannot_take_over_is_refused_with_the_fix():
         check_optimizer(torch.optim.SGD(params, lr=0.1))
     with pytest.raises(ValueError, match=r"amsgrad=True .* Set amsgrad=False"):
         check_optimizer(torch.optim.Adam(params, amsgrad=True))
+
+
+# --- through the strategy: ShardStrategy(stage=0, gradient_compression="onebit_adam") ---------------------
+
+
+def _dataset(world: int, steps: int) -> torch.utils.data.TensorDataset:
+    """Rows laid out so that the sampler the Trainer injects (torch's ``DistributedSampler``, shuffled, seed 0)
+    hands rank r at step k the rows :func:`_rows` gives it."""
+    n = world * 6 * steps
+    xs, ys = torch.zeros(n, 10), torch.zeros(n, 3)
+    for rank in range(world):
+        order = list(torch.utils.data.DistributedSampler(range(n), world, rank, shuffle=True, seed=0))
+        for step in range(steps):
+            x, y = _rows(rank, step)
+            xs[order[6 * step : 6 * step + 6]], ys[order[6 * step : 6 * step + 6]] = x, y
+    return torch.utils.data.TensorDataset(xs, ys)
+
+
+def _fit_onebit(kind: str, root: str, resume: str | None) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_shard import ShardStrategy
+    from tests.helpers import trainer_kwargs
+
+    class Rows(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return _optimizer(kind, self.parameters())
+
+    strategy = ShardStrategy(stage=0, gradient_compression={"method": "onebit_adam", "freeze_step": FREEZE})
+    checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=FREEZE + 2, save_top_k=-1)
+    trainer = L.Trainer(
+        devices=2,
+        strategy=strategy,
+        callbacks=[checkpoint],
+        **trainer_kwargs(max_steps=STEPS, enable_checkpointing=True, use_distributed_sampler=True),
+    )
+    loader = torch.utils.data.DataLoader(_dataset(2, STEPS), batch_size=6, shuffle=False)
+    module = Rows()
+    trainer.fit(module, loader, ckpt_path=resume)
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def test_the_strategy_flag_trains_as_the_algorithm_and_resumes_its_error_feedback(tmp_path):
+    root = str(tmp_path)
+    full = run_ranks(_fit_onebit, "adamw", root, None, world_size=2)
+    expected = _reference("adamw", 2, STEPS)
+    for rank, weights in enumerate(full):
+        for key, weight in expected.items():
+            torch.testing.assert_close(weights[key], weight, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+    resumed = run_ranks(
+        _fit_onebit, "adamw", str(tmp_path / "again"), f"{root}/epoch=0-step={FREEZE + 2}.ckpt", world_size=2
+    )
+    for weights, again in zip(full, resumed, strict=True):
+        for key, weight in weights.items():
+            assert torch.equal(again[key], weight), key

@@ -16,8 +16,10 @@ from torch import nn
 from lightning_shard import _ddp, compression
 from lightning_shard.engines._ddp import wrap
 from lightning_shard.engines.base import RunContext
+from lightning_shard.onebit import OneBitHook
 
-#: ``(hook, PowerSGDState)`` under ``gradient_compression='powersgd'`` (its state is checkpointed), else None.
+#: ``(hook, PowerSGDState)`` under ``gradient_compression='powersgd'``, ``(OneBitHook, group)`` under
+#: ``'onebit_adam'`` (their state is checkpointed), else None.
 CompressionState = tuple[Any, Any] | None
 
 
@@ -43,8 +45,22 @@ def wrap_ddp(module: nn.Module, config: Any, precision: Any, mesh: Any) -> tuple
     if method is not None:
         hook, hook_state = compression.hook_and_state(method, mesh.get_group(), module)
         options["ddp_comm_hook"], options["ddp_comm_state"] = hook, hook_state
-        state = (hook, hook_state) if method["method"] == "powersgd" else None
+        state = (hook, hook_state) if method["method"] in ("powersgd", "onebit_adam") else None
     return wrap(module, mesh.get_group(), device_ids, options), state
+
+
+def attach_optimizers(state: CompressionState, optimizers: list[Any]) -> None:
+    """``gradient_compression='onebit_adam'``: the one Adam / AdamW whose steps 1-bit Adam takes over after its
+    warm-up (:meth:`lightning_shard.onebit.OneBitHook.attach`); nothing for the other methods."""
+    if state is None or not isinstance(state[0], OneBitHook):
+        return
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"ShardStrategy(gradient_compression='onebit_adam') compresses one optimizer's momentum; configure_optimizers"
+            f" returned {len(optimizers)}. Return one torch.optim.Adam or AdamW over every parameter."
+        )
+    hook, group = state
+    hook.attach(optimizers[0], group)
 
 
 def save_state(saved: dict[str, Any], state: CompressionState, run: RunContext) -> None:

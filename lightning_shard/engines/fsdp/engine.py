@@ -137,6 +137,7 @@ class FSDPEngine(Engine):
             if not closure:
                 whole_matrix.run_closure_first(optimizer)
         fp8.precompute_after_steps(self.config, self.stage, model, optimizers)
+        compression.attach_optimizers(self.compression_state, optimizers)
         _compat.optimizers_to_device(optimizers, self.run.device)
         return model, optimizers
 
