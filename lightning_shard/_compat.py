@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,52 @@ def live_process_groups() -> list[Any]:
         return list(_world.pg_map)
     except (ImportError, AttributeError):  # pragma: no cover  (a release without the registry)
         return live_process_groups_fallback()
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Join torch's fake process group as ``rank`` of ``world_size``: every collective returns at once, nothing
+    is sent (the dry run builds one rank's shards of a large world in this one process)."""
+    # private torch module, imported where used: importing it registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+@contextmanager
+def ddp_without_shape_check() -> Iterator[None]:
+    """DDP built over parameters on the meta device (the dry run's stages 0-1): its check that every rank holds
+    the same shapes reads the gathered sizes back as numbers, which meta tensors do not hold. The dry run's ranks
+    are built from one module, so there is nothing to check."""
+    try:  # private torch API: DDP's module-level name for the check
+        import torch.nn.parallel.distributed as ddp_module
+
+        check = ddp_module._verify_param_shape_across_processes
+    except (ImportError, AttributeError):  # pragma: no cover  (a release without it: DDP then refuses meta)
+        yield
+        return
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+
+
+def fsdp_padded_shards(model: torch.nn.Module) -> dict[int, int]:
+    """``{id(parameter): elements}`` of each FSDP2 parameter's padded local shard (what the rank allocates:
+    uneven shards are padded to the largest); ``{}`` where a release lacks FSDP2's private parameter records
+    (the caller then counts the unpadded local tensors)."""
+    found: dict[int, int] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:  # private torch API: the FSDP state and its parameter group
+            group = module._get_fsdp_state()._fsdp_param_group
+            params = [] if group is None else group.fsdp_params
+            for fsdp_param in params:
+                found[id(fsdp_param.sharded_param)] = fsdp_param._sharded_param_data.numel()
+        except AttributeError:  # pragma: no cover  (a release without them)
+            return {}
+    return found
 
 
 def unflatten_mesh(root: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any | None:

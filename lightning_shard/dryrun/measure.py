@@ -1,0 +1,111 @@
+"""Bytes one rank holds, read off the shards the set-up built (on the meta device or allocated: the same count).
+
+- parameters: each parameter's local shard (a DTensor's ``_local_tensor``), at FSDP2's padded size where FSDP2
+  holds it: a dimension of ``n`` rows split over ``s`` ranks gives every rank ``ceil(n / s)`` rows, the last
+  ones padding;
+- gradients: one per trainable parameter, in the parameter's layout and dtype (FSDP2 reduce-scatters into a
+  buffer of the padded shards; DDP keeps a full local gradient);
+- optimizer state: every tensor the optimizer keeps per parameter after a step (AdamW: ``exp_avg``,
+  ``exp_avg_sq`` of the local shard's shape, unpadded, and a one-element ``step``);
+- the checkpoint: the chunks torch.distributed.checkpoint's planner writes for this rank's state dict, a chunk
+  that several ranks hold (replicated, or the same shard on every tensor-parallel rank) shared evenly among
+  them, as DCP's deduplication balances it; one ``__<rank>_0.distcp`` file per rank (``FileSystemWriter``'s
+  default), rank 0 also writes ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_shard import _compat
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Model state on one rank."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    params: int
+    """Elements of the parameter shards (padding included)."""
+
+    @property
+    def model_state(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def inner_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds the state: ZeRO-1's ``ZeroRedundancyOptimizer`` keeps its partition's in
+    ``optim``."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def optimizer_bytes(optimizers: list[Optimizer]) -> int:
+    """Every tensor of every optimizer's state, its local part."""
+    total = 0
+    for optimizer in optimizers:
+        for state in inner_optimizer(optimizer).state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = _local(value)
+                    total += local.numel() * local.element_size()
+    return total
+
+
+def held_bytes(model: nn.Module, optimizers: list[Optimizer]) -> HeldBytes:
+    """Parameters, gradients and optimizer state of ``model`` on this rank (see the module's docstring)."""
+    padded = _compat.fsdp_padded_shards(model)
+    params = grads = elements = 0
+    for param in model.parameters():  # a tied parameter is yielded once
+        local = _local(param)
+        numel = padded.get(id(param), local.numel())
+        nbytes = numel * local.element_size()
+        params += nbytes
+        elements += numel
+        if param.requires_grad:
+            grads += nbytes
+    return HeldBytes(params, grads, optimizer_bytes(optimizers), elements)
+
+
+def _holders(value: DTensor, stage_ranks: int) -> int:
+    """The ranks of one pipeline stage that hold the same chunk of ``value``."""
+    mesh, distinct = value.device_mesh, 1
+    for dim, placement in enumerate(value.placements):
+        if not placement.is_replicate() and not placement.is_partial():
+            distinct *= mesh.size(dim)
+    return max(1, stage_ranks // distinct)
+
+
+def checkpoint_writes(state_dict: dict[str, Any], rank: int, stage_ranks: int) -> tuple[list[str], int]:
+    """The files and bytes this rank writes in a sharded checkpoint of ``state_dict`` (its local plan)."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=rank == 0)
+    plan = planner.create_local_plan()
+    flat = planner.state_dict
+    total = 0.0
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        dtype = item.tensor_data.properties.dtype
+        nbytes = math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+        value = flat.get(item.index.fqn)
+        holders = _holders(value, stage_ranks) if isinstance(value, DTensor) else stage_ranks
+        total += nbytes / holders
+    files = [f"__{rank}_0.distcp"] if plan.items else []
+    if rank == 0:
+        files.append(".metadata")
+    return files, round(total)
