@@ -100,11 +100,17 @@ def checkpoint_writes(state_dict: dict[str, Any], rank: int, stage_ranks: int) -
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             continue
-        dtype = item.tensor_data.properties.dtype
-        nbytes = math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
         value = flat.get(item.index.fqn)
-        holders = _holders(value, stage_ranks) if isinstance(value, DTensor) else stage_ranks
-        total += nbytes / holders
+        if isinstance(value, DTensor):
+            # What DCP writes of a DTensor is its local tensor. Its chunk in the plan is placed from the mesh's
+            # coordinates, which torch's caches (keyed by meshes equal on every rank) may answer with another
+            # rank's when several ranks are played in one process: the local tensor is this rank's own.
+            local = value._local_tensor
+            total += local.numel() * local.element_size() / _holders(value, stage_ranks)
+        else:
+            dtype = item.tensor_data.properties.dtype
+            nbytes = math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+            total += nbytes / stage_ranks
     files = [f"__{rank}_0.distcp"] if plan.items else []
     if rank == 0:
         files.append(".metadata")

@@ -236,6 +236,14 @@ def dryrun(
             "dryrun() needs the ZeRO stage the job runs: ShardStrategy(stage='auto') is resolved from the device's"
             " memory at set-up. Give stage=0, 1, 2 or 3 (lightning-shard plan recommends one)."
         )
+    if engine_class(config.engine).capabilities.owns_step:
+        raise ValueError(
+            f"dryrun: ShardStrategy(engine={config.engine!r}) cannot be dry-run: that engine runs the optimizer step"
+            " itself and builds its state in its own initialize from allocated parameters (at stage 3 it refuses a"
+            " model on the meta device; at stages 0-2 it allocates the fp32 partitions and starts its own"
+            " communication backend), which a fake process group with the model on meta cannot give. Dry-run the"
+            " same layout with engine='fsdp'."
+        )
     first = model_factory(model, init_args)()
     dims = check_layout(config, world_size, first)
     chosen = default_ranks(dims) if ranks is None else sorted(set(ranks))
