@@ -15,14 +15,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -91,27 +89,24 @@ def _holders(value: DTensor, stage_ranks: int) -> int:
 
 
 def checkpoint_writes(state_dict: dict[str, Any], rank: int, stage_ranks: int) -> tuple[list[str], int]:
-    """The files and bytes this rank writes in a sharded checkpoint of ``state_dict`` (its local plan)."""
+    """The files and bytes this rank writes in a sharded checkpoint of ``state_dict``.
+
+    The state dict is flattened as torch.distributed.checkpoint's planner flattens it; what DCP writes of a
+    DTensor is its local tensor, of a plain tensor the whole of it (once among the ranks of a stage). The
+    planner's own chunk placement is not run: it is O(world size) per ``_StridedShard`` tensor (seconds per rank
+    at thousands of ranks), and it places chunks from the mesh's coordinates, which torch's caches (keyed by
+    meshes equal on every rank) may answer with another rank's when several ranks are played in one process.
+    """
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=rank == 0)
-    plan = planner.create_local_plan()
-    flat = planner.state_dict
     total = 0.0
-    for item in plan.items:
-        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-            continue
-        value = flat.get(item.index.fqn)
+    for value in planner.state_dict.values():
         if isinstance(value, DTensor):
-            # What DCP writes of a DTensor is its local tensor. Its chunk in the plan is placed from the mesh's
-            # coordinates, which torch's caches (keyed by meshes equal on every rank) may answer with another
-            # rank's when several ranks are played in one process: the local tensor is this rank's own.
             local = value._local_tensor
             total += local.numel() * local.element_size() / _holders(value, stage_ranks)
-        else:
-            dtype = item.tensor_data.properties.dtype
-            nbytes = math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
-            total += nbytes / stage_ranks
-    files = [f"__{rank}_0.distcp"] if plan.items else []
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size() / stage_ranks
+    files = [f"__{rank}_0.distcp"] if planner.state_dict else []
     if rank == 0:
         files.append(".metadata")
     return files, round(total)
