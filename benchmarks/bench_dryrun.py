@@ -42,7 +42,12 @@ def _one(name: str, module: Any, world: int, ranks: str) -> dict[str, Any]:
         gpus_per_node=8,
     )
     planned = time.perf_counter() - start
-    row: dict[str, Any] = {"model": name, "world_size": world, "strategy": result.strategy, "fits": result.fits}
+    row: dict[str, Any] = {
+        "model": name,
+        "world_size": world,
+        "strategy": result.strategy,
+        "fits": result.fits,
+    }
     row["plan_seconds"] = round(planned, 2)
     if result.recommended is None:
         return {**row, "refused": "the planner has no configuration: " + " ".join(result.notes)}
@@ -89,7 +94,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/dryrun.json")
     parser.add_argument("--models", nargs="*", default=list(PUBLISHED))
     parser.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS))
-    parser.add_argument("--ranks", choices=["ends", "default"], default="ends", help="first and last, or dryrun's")
+    parser.add_argument(
+        "--ranks", choices=["ends", "default"], default="ends", help="first and last, or dryrun's"
+    )
     parser.add_argument("--smoke", action="store_true", help="llama-3-8b on 64 ranks only")
     args = parser.parse_args()
     models, worlds = (["llama-3-8b"], [64]) if args.smoke else (args.models, args.worlds)
@@ -107,7 +114,9 @@ def main() -> None:
     table.append("|---|---|---|---|---|---|")
     table += [line for row in rows for line in _line(row)]
     print("\n".join(table))
-    write_report({"device_memory": DEVICE, "seq_len": SEQ_LEN, "rows": rows}, args.out, printed={"rows": len(rows)})
+    write_report(
+        {"device_memory": DEVICE, "seq_len": SEQ_LEN, "rows": rows}, args.out, printed={"rows": len(rows)}
+    )
 
 
 if __name__ == "__main__":

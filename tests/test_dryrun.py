@@ -227,7 +227,12 @@ def test_checkpoint_files_of_a_rank(three_layouts):
 
 def test_reports_carry_the_planners_figures(three_layouts):
     report = three_layouts["dense"][1]
-    assert report.planner is not None and set(report.planner) == {"parameters", "gradients", "optimizer"}
+    assert report.planner is not None and set(report.planner) == {
+        "parameters",
+        "gradients",
+        "optimizer",
+        "host",
+    }
     record = report.to_dict()
     assert record["planner_difference_pct"]["model_state"] == report.difference("model_state")
     json.dumps(record)

@@ -11,7 +11,8 @@ from lightning_shard.planner import plan
 def planner_figures(
     module: nn.Module, config: ShardConfig, world_size: int, precision: str
 ) -> dict[str, int]:
-    """``plan(...)``'s per-device model state at ``config``'s stage, mesh and offloads (model state only)."""
+    """``plan(...)``'s per-device model state at ``config``'s stage, mesh and offloads (model state only): the
+    device's ``parameters``, ``gradients`` and ``optimizer``, and what the offloads keep on the ``host``."""
     result = plan(
         module=module,
         world_size=world_size,
@@ -31,4 +32,9 @@ def planner_figures(
         gpus_per_node=max(8, config.tensor_parallel_size),
     )
     row = result.stages[int(config.stage)]
-    return {"parameters": row.parameters, "gradients": row.gradients, "optimizer": row.optimizer}
+    return {
+        "parameters": row.parameters,
+        "gradients": row.gradients,
+        "optimizer": row.optimizer,
+        "host": row.host,
+    }

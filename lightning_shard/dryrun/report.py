@@ -35,7 +35,8 @@ class RankReport:
     build_seconds: float
     """The set-up of this rank on the fake group: model on meta, ``prepare``, optimizers, checkpoint plan."""
     planner: dict[str, int] | None = None
-    """The planner's per-device ``parameters``, ``gradients`` and ``optimizer`` for the same flags."""
+    """The planner's per-device ``parameters``, ``gradients`` and ``optimizer`` for the same flags, and the
+    ``host`` bytes its offloads keep off the device (the dry run counts every shard, wherever it lives)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -43,13 +44,14 @@ class RankReport:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     def difference(self, kind: str) -> float | None:
-        """The planner's figure against the dry run's, in % of the dry run's (``None`` without one)."""
+        """The planner's figure against the dry run's, in % of the dry run's (``None`` without one, or for a kind
+        the planner counts on the host: the model state then compares device and host together)."""
         mine = {
             "parameters": self.param_bytes,
             "gradients": self.grad_bytes,
             "optimizer": self.optimizer_bytes,
         }
-        if self.planner is None:
+        if self.planner is None or (kind != "model_state" and self.planner.get("host")):
             return None
         if kind == "model_state":
             theirs, ours = sum(self.planner.values()), self.model_state_bytes

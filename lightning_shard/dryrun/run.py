@@ -20,12 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightning_shard import _compat, engines
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.config import ShardConfig
 from lightning_shard.core import transform
 from lightning_shard.core.process_groups import parallel_dims
+from lightning_shard.dryrun.compare import planner_figures
 from lightning_shard.dryrun.measure import checkpoint_writes, held_bytes
 from lightning_shard.dryrun.models import ModelSource, model_factory
 from lightning_shard.dryrun.optimizers import step_on_shards, user_optimizers
@@ -34,6 +36,7 @@ from lightning_shard.dryrun.world import FakeWorld, default_ranks, fake_rank
 from lightning_shard.engines import engine_class
 from lightning_shard.parallel import ParallelDims
 from lightning_shard.parallel.model_sizes import ModelSizes, check_model_sizes
+from lightning_shard.pipeline import stages_of_rank
 from lightning_shard.planner.experts import count_experts
 from lightning_shard.precision import PrecisionPolicy
 
@@ -126,6 +129,10 @@ def dry_run_rank(
                 session = transform.prepare(
                     module, config, policy, world, loss_fn=_unused_loss, owner="dryrun"
                 )
+        except ValueError as error:  # the strategy's own refusal: the job would stop at the same place
+            raise ValueError(
+                f"dryrun: the set-up of rank {rank} of {world_size} refuses this layout: {error}"
+            ) from error
         except Exception as error:
             raise RuntimeError(
                 f"dryrun: the {config.engine!r} engine could not be set up for rank {rank} of {world_size} on a"
@@ -144,14 +151,11 @@ def dry_run_rank(
 
 def _state_dict(session: Any, optimizers: list[Any]) -> dict[str, Any]:
     """What a sharded save writes: the engine's state dicts of the model and each optimizer, keyed by name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     engine, model = session.engine, session.model
     try:
         state = {"model": engine.model_state_dict(model, full=False)}
-    except (
-        NotImplementedError
-    ):  # the engine copies to the host, which meta tensors cannot: the same keys, kept
+    except NotImplementedError:
+        # the engine copies the state to the host, which meta tensors cannot: the same entries, left in place
         options = StateDictOptions(full_state_dict=False, cpu_offload=False)
         state = {"model": get_model_state_dict(model, options=options)}
     for i, optimizer in enumerate(optimizers):
@@ -173,8 +177,7 @@ def _report(
     plan = getattr(module, transform._STAGE, None)
     stages: tuple[int, ...] = ()
     if plan is not None:
-        per_rank = config.stages_per_rank
-        stages = tuple(place["pp"] + dims.pp * i for i in range(per_rank))
+        stages = tuple(stages_of_rank(place["pp"], dims.pp, config.stages_per_rank))
         layers = tuple(i for s in stages for i in plan.blocks_of(s))
     else:
         classes = detect_block_classes(module)
@@ -261,8 +264,6 @@ def dryrun(
 
     figures = None
     if planner:
-        from lightning_shard.dryrun.compare import planner_figures  # only when the figures are asked for
-
         figures = planner_figures(first, config, world_size, policy.precision)
     reports = [dry_run_rank(rebuild, config, policy, rank, world_size) for rank in chosen]
     if figures is None:
