@@ -154,6 +154,35 @@ def fsdp_padded_shards(model: torch.nn.Module) -> dict[int, int]:
     return found
 
 
+def fsdp_units(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Each FSDP2 unit of ``model``: its padded local elements, the bytes of an element as gathered and as
+    reduced (the mixed-precision policy's), the sizes of its shard and replicate groups, and whether forward
+    reshards it (gathered again in backward). ``[]`` where a release lacks FSDP2's private records."""
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:  # private torch API: the FSDP state, its parameter group and mesh records
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None or not group.fsdp_params:
+                continue
+            info, policy = group.mesh_info, group.mp_policy
+            dtype = group.fsdp_params[0].sharded_param.dtype
+            units.append(
+                {
+                    "elements": sum(p._sharded_param_data.numel() for p in group.fsdp_params),
+                    "gather_bytes": (policy.param_dtype or dtype).itemsize,
+                    "reduce_bytes": (policy.reduce_dtype or policy.param_dtype or dtype).itemsize,
+                    "shard": getattr(info, "shard_mesh_size", 1),
+                    "replicate": getattr(info, "replicate_mesh_size", 1),
+                    "reshards": group.post_forward_mesh_info is not None,
+                }
+            )
+        except AttributeError:  # pragma: no cover  (a release without them)
+            return []
+    return units
+
+
 def unflatten_mesh(root: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any | None:
     """``DeviceMesh._unflatten`` (torch >= 2.9): a view of the 1-D ``root`` as ``sizes`` named ``names``,
     sharing its root; ``None`` where torch lacks it (the caller then builds a mesh of its own)."""

@@ -179,6 +179,21 @@ def test_dense_tp_pp_hsdp_bytes_per_rank(three_layouts):
     assert first.param_bytes > 4 * (256 * 250 / 16 + 100 * 256 / 16)
 
 
+def test_dense_collectives_of_one_step_from_the_shards(three_layouts):
+    # bf16-mixed: gathered in bf16 (2 bytes), reduced in fp32 (4); 16 shard ranks, 4 replicas. Each block is a
+    # unit resharded after forward (gathered twice); the stage's root unit (embeddings, final norm, head) once.
+    for report in three_layouts["dense"]:
+        at = report.coordinates
+        elements = expected_bytes(256, 8, at, tp=4, pp=4, dp=16, dp_index=at["shard"])["param_bytes"] // 4
+        middle = {**at, "pp": 1}  # a middle stage holds its blocks only
+        blocks = expected_bytes(256, 8, middle, tp=4, pp=4, dp=16, dp_index=at["shard"])["param_bytes"] // 4
+        assert report.collective_bytes == {
+            "all_gather": (2 * blocks + (elements - blocks)) * 16 * 2,
+            "reduce_scatter": elements * 16 * 4,
+            "all_reduce": elements * 4,
+        }, report.rank
+
+
 def test_moe_ep_pp_bytes_and_experts_per_rank(three_layouts):
     reports = three_layouts["moe"]
     by_rank = {r.rank: r for r in reports}

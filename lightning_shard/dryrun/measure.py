@@ -79,6 +79,27 @@ def held_bytes(model: nn.Module, optimizers: list[Optimizer]) -> HeldBytes:
     return HeldBytes(params, grads, optimizer_bytes(optimizers), elements)
 
 
+def collective_bytes(model: nn.Module, held: HeldBytes, data_parallel: int) -> dict[str, int]:
+    """The bytes the data-parallel collectives of one step move on this rank, from the shards (no step is
+    traced): each FSDP2 unit all-gathers its padded shards from its shard group once in forward and, where
+    forward reshards it (stage 3), again in backward; reduce-scatters the gradients; all-reduces them across
+    HSDP's replicas; parameters outside FSDP2 (DDP) all-reduce their gradients. Sizes are the collective's
+    whole buffer (all-gather's output, reduce-scatter's input), in the precision policy's dtypes. The traffic
+    of activations (tensor, expert, context and pipeline parallelism) needs a traced step: not counted."""
+    counted = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    units = _compat.fsdp_units(model)
+    for unit in units:
+        whole = unit["elements"] * unit["shard"]
+        if unit["shard"] > 1:
+            counted["all_gather"] += (2 if unit["reshards"] else 1) * whole * unit["gather_bytes"]
+            counted["reduce_scatter"] += whole * unit["reduce_bytes"]
+        if unit["replicate"] > 1:
+            counted["all_reduce"] += unit["elements"] * unit["reduce_bytes"]
+    if not units and data_parallel > 1:  # DDP (stages 0-1): every gradient all-reduced
+        counted["all_reduce"] += held.grad_bytes
+    return counted
+
+
 def _holders(value: DTensor, stage_ranks: int) -> int:
     """The ranks of one pipeline stage that hold the same chunk of ``value``."""
     mesh, distinct = value.device_mesh, 1

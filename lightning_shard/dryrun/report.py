@@ -34,6 +34,9 @@ class RankReport:
     """Bytes this rank writes in a sharded checkpoint (chunks held by several ranks shared among them)."""
     build_seconds: float
     """The set-up of this rank on the fake group: model on meta, ``prepare``, optimizers, checkpoint plan."""
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    """The data-parallel collectives of one step by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``),
+    from the shards (:func:`~lightning_shard.dryrun.measure.collective_bytes`)."""
     planner: dict[str, int] | None = None
     """The planner's per-device ``parameters``, ``gradients`` and ``optimizer`` for the same flags, and the
     ``host`` bytes its offloads keep off the device (the dry run counts every shard, wherever it lives)."""

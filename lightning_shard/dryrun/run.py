@@ -28,7 +28,7 @@ from lightning_shard.config import ShardConfig
 from lightning_shard.core import transform
 from lightning_shard.core.process_groups import parallel_dims
 from lightning_shard.dryrun.compare import planner_figures
-from lightning_shard.dryrun.measure import checkpoint_writes, held_bytes
+from lightning_shard.dryrun.measure import checkpoint_writes, collective_bytes, held_bytes
 from lightning_shard.dryrun.models import ModelSource, model_factory
 from lightning_shard.dryrun.optimizers import step_on_shards, user_optimizers
 from lightning_shard.dryrun.report import RankReport
@@ -144,6 +144,7 @@ def dry_run_rank(
             _state_dict(session, optimizers), rank, world.dims.world_size // world.dims.pp
         )
         report = _report(world, module, config, rank, held, files, written)
+        report["collective_bytes"] = collective_bytes(session.model, held, world.dims.data_parallel_size)
     seconds = time.perf_counter() - start
     notes = tuple(n for n in (note,) if n)
     return RankReport(**{**report, "build_seconds": round(seconds, 3), "notes": notes})
