@@ -21,6 +21,7 @@ __all__ = [
     "ExpertLoadMonitor",
     "InitWeightsError",
     "MFUMonitor",
+    "RankReport",
     "RunSummary",
     "ShardConfig",
     "ShardFabricStrategy",
@@ -28,6 +29,7 @@ __all__ = [
     "ShardStrategy",
     "StragglerDetector",
     "ThroughputMonitorFlops",
+    "dryrun",
 ]
 
 # Imported on first use, so that ``import lightning_shard`` (and the Fabric door, the core, the engines and
@@ -48,6 +50,8 @@ _LAZY = {
     "RunSummary": "lightning_shard.callbacks",
     "StragglerDetector": "lightning_shard.callbacks",
     "ThroughputMonitorFlops": "lightning_shard.callbacks",
+    "dryrun": "lightning_shard.dryrun",
+    "RankReport": "lightning_shard.dryrun",
 }
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,81 @@ def live_process_groups() -> list[Any]:
         return list(_world.pg_map)
     except (ImportError, AttributeError):  # pragma: no cover  (a release without the registry)
         return live_process_groups_fallback()
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Join torch's fake process group as ``rank`` of ``world_size``: every collective returns at once, nothing
+    is sent (the dry run builds one rank's shards of a large world in this one process)."""
+    # private torch module, imported where used: importing it registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+@contextmanager
+def ddp_without_shape_check() -> Iterator[None]:
+    """DDP built over parameters on the meta device (the dry run's stages 0-1): its check that every rank holds
+    the same shapes reads the gathered sizes back as numbers, which meta tensors do not hold. The dry run's ranks
+    are built from one module, so there is nothing to check."""
+    try:  # private torch API: DDP's module-level name for the check
+        import torch.nn.parallel.distributed as ddp_module
+
+        check = ddp_module._verify_param_shape_across_processes
+    except (ImportError, AttributeError):  # pragma: no cover  (a release without it: DDP then refuses meta)
+        yield
+        return
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = check
+
+
+def fsdp_padded_shards(model: torch.nn.Module) -> dict[int, int]:
+    """``{id(parameter): elements}`` of each FSDP2 parameter's padded local shard (what the rank allocates:
+    uneven shards are padded to the largest); ``{}`` where a release lacks FSDP2's private parameter records
+    (the caller then counts the unpadded local tensors)."""
+    found: dict[int, int] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:  # private torch API: the FSDP state and its parameter group
+            group = module._get_fsdp_state()._fsdp_param_group
+            params = [] if group is None else group.fsdp_params
+            for fsdp_param in params:
+                found[id(fsdp_param.sharded_param)] = fsdp_param._sharded_param_data.numel()
+        except AttributeError:  # pragma: no cover  (a release without them)
+            return {}
+    return found
+
+
+def fsdp_units(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Each FSDP2 unit of ``model``: its padded local elements, the bytes of an element as gathered and as
+    reduced (the mixed-precision policy's), the sizes of its shard and replicate groups, and whether forward
+    reshards it (gathered again in backward). ``[]`` where a release lacks FSDP2's private records."""
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:  # private torch API: the FSDP state, its parameter group and mesh records
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None or not group.fsdp_params:
+                continue
+            info, policy = group.mesh_info, group.mp_policy
+            dtype = group.fsdp_params[0].sharded_param.dtype
+            units.append(
+                {
+                    "elements": sum(p._sharded_param_data.numel() for p in group.fsdp_params),
+                    "gather_bytes": (policy.param_dtype or dtype).itemsize,
+                    "reduce_bytes": (policy.reduce_dtype or policy.param_dtype or dtype).itemsize,
+                    "shard": getattr(info, "shard_mesh_size", 1),
+                    "replicate": getattr(info, "replicate_mesh_size", 1),
+                    "reshards": group.post_forward_mesh_info is not None,
+                }
+            )
+        except AttributeError:  # pragma: no cover  (a release without them)
+            return []
+    return units
 
 
 def unflatten_mesh(root: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any | None:

@@ -31,12 +31,13 @@ import torch
 
 from lightning_shard import checkpoint, engines
 from lightning_shard.checkpoint._hf_plan import refusal_cause
+from lightning_shard.dryrun import command as dryrun_command
+from lightning_shard.dryrun.models import build_model
 from lightning_shard.engines import build_deepspeed_ops
 from lightning_shard.fault_tolerance import run_lighthouse
 from lightning_shard.planner import available_device_memory, plan
 from lightning_shard.planner.experts import check_flags
 from lightning_shard.planner.mesh import check_sizes
-from lightning_shard.planner.model import build_on_meta
 from lightning_shard.plot import plot_run
 from lightning_shard.units import PlanInputError, parse_bandwidth, parse_count, parse_size
 
@@ -59,12 +60,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_plan(sub: Any) -> None:
+_PLAN_HELP = ("per-device memory of ZeRO stages 0-3 and the cheapest ShardStrategy that fits", _PLAN_EPILOG)
+
+
+def _add_plan(sub: Any, name: str = "plan", text: tuple[str, str] = _PLAN_HELP) -> argparse.ArgumentParser:
+    # `dryrun` takes the same arguments, with its own help text
     plan = sub.add_parser(
-        "plan",
-        help="per-device memory of ZeRO stages 0-3 and the cheapest ShardStrategy that fits",
-        epilog=_PLAN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        name, help=text[0], epilog=text[1], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     model = plan.add_argument_group("model (give --params or --model)")
     model.add_argument("--params", help="parameter count, e.g. 7e9, 7B, 125M")
@@ -161,6 +163,8 @@ def _add_plan(sub: Any) -> None:
     out.add_argument(
         "--plot", metavar="FILE.png", help="draw the stacked bars to FILE.png (needs matplotlib)"
     )
+    out.add_argument("--verify", action="store_true", help="dry-run the recommendation (docs/dryrun.md)")
+    return plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -179,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_export(sub)
     _add_plan(sub)
+    dryrun_command.add_arguments(_add_plan(sub, "dryrun", dryrun_command.HELP))
     plot = sub.add_parser("plot", help="draw a run's loss and MFU over steps from its CSV logs, as a PNG")
     plot.add_argument("run_dir", help="the run's directory (its logger's save_dir, e.g. outputs/zero3)")
     plot.add_argument("--out", help="the PNG to write (default: RUN_DIR/run.png)")
@@ -328,7 +333,7 @@ def _plan_kwargs(args: argparse.Namespace, model_argv: list[str]) -> dict[str, A
     if args.model is not None:
         if os.getcwd() not in sys.path:  # like `python -m`, find model classes in the working directory
             sys.path.insert(0, os.getcwd())
-        module = build_on_meta(args.model, argv=model_argv)
+        module = build_model(args.model, model_argv)
     same: tuple[str, ...] = (
         "precision",
         "optimizer",
@@ -368,7 +373,8 @@ def _run_plan(args: argparse.Namespace, model_argv: list[str]) -> int:
         result = dataclasses.replace(result, notes=(*result.notes, note))
     if args.plot:
         result.plot(args.plot)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    document, checked = dryrun_command.verify(kwargs, result) if args.verify else (result.to_dict(), "")
+    print(json.dumps(document, indent=2) if args.json else result.table() + checked)
     if args.plot:
         # With --json, stdout stays one JSON document.
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
@@ -426,14 +432,16 @@ def main(argv: list[str] | None = None) -> int:
         if extras:
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
         return _run_build_ops()
-    elif args.command == "plan":
+    elif args.command in ("plan", "dryrun"):
         model_argv = _model_argv(parser, extras, args.model)
         if args.params is None and args.model is None and not (args.layers and args.hidden):
-            parser.error("plan needs a model: give --params (e.g. 7e9) or --model CLASS_PATH.")
+            parser.error(f"{args.command} needs a model: give --params (e.g. 7e9) or --model CLASS_PATH.")
         try:
+            if args.command == "dryrun":
+                return dryrun_command.run(args, _plan_kwargs(args, model_argv))
             return _run_plan(args, model_argv)
         except PlanInputError as err:
-            print(f"lightning-shard plan: error: {err}", file=sys.stderr)
+            print(f"lightning-shard {args.command}: error: {err}", file=sys.stderr)
             return 2
     return 0
 

@@ -1,0 +1,40 @@
+"""The planner's figures for the flags of a dry run: one device's parameters, gradients and optimizer state."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_shard.config import ShardConfig
+from lightning_shard.planner import plan
+
+
+def planner_figures(
+    module: nn.Module, config: ShardConfig, world_size: int, precision: str
+) -> dict[str, int]:
+    """``plan(...)``'s per-device model state at ``config``'s stage, mesh and offloads (model state only): the
+    device's ``parameters``, ``gradients`` and ``optimizer``, and what the offloads keep on the ``host``."""
+    result = plan(
+        module=module,
+        world_size=world_size,
+        device_memory=2**62,  # whether it fits is not the question here
+        precision=precision,
+        stage=config.stage,  # type: ignore[arg-type]
+        offload_optimizer=config.offload_optimizer or "none",
+        offload_params=config.offload_params or "none",
+        activation_checkpointing="none",
+        micro_batch=None,
+        engine=config.engine,
+        tensor_parallel_size=config.tensor_parallel_size,
+        replicate_size=config.replicate_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        expert_parallel_size=config.expert_parallel_size,
+        gpus_per_node=max(8, config.tensor_parallel_size),
+    )
+    row = result.stages[int(config.stage)]
+    return {
+        "parameters": row.parameters,
+        "gradients": row.gradients,
+        "optimizer": row.optimizer,
+        "host": row.host,
+    }
