@@ -34,12 +34,22 @@ def run(script: str, args: list[str]) -> dict:
         except BaseException:  # noqa: BLE001  (reported as a script's uncaught exception is)
             traceback.print_exc()
             code = 1
+    _end_process_group()
     if code is None:
         code = 0
     elif not isinstance(code, int):
         print(code, file=err)
         code = 1
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def _end_process_group() -> None:
+    """A script's process would end with its default process group; the next script starts without one (a dry
+    run refuses to play fake ranks in a process that has one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main() -> None:
