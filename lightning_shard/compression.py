@@ -56,7 +56,7 @@ def _powersgd_arguments() -> set[str]:
     return set(inspect.signature(PowerSGDState.__init__).parameters) - {"self", "process_group"}
 
 
-def check_compression(value: Any, checkpoint: str, stage: Any = 0) -> dict | None:
+def check_compression(value: Any, checkpoint: str, stage: Any) -> dict | None:
     """``gradient_compression=`` as ``{"method": ..., **options}``, or a ``ValueError`` naming the fix. Whether the
     engine has a DDP wrapper to hook at the stage is its ``Capabilities.ddp_options_stages``."""
     if value is None:

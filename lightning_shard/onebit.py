@@ -162,13 +162,11 @@ class OneBitAdam:
         numel = sum(p.numel() for p in self.params)
         self.allreduce = CompressedAllreduce(numel, group, self.params[0].device if self.params else None)
 
-    def steps_taken(self) -> int:
-        states = [self.optimizer.state[p] for p in self.params if p in self.optimizer.state]
-        return int(states[0]["step"]) if states else 0
-
     def frozen(self) -> bool:
-        """Whether the next step is a compressed one (the warm-up's ``freeze_step`` steps are behind)."""
-        return self.steps_taken() >= self.freeze_step
+        """Whether the next step is a compressed one (the warm-up's ``freeze_step`` steps are behind): asked by
+        DDP's hook for every bucket, so it reads one parameter's step count (all of them step together)."""
+        state = self.optimizer.state.get(self.params[0]) if self.params else None
+        return state is not None and int(state["step"]) >= self.freeze_step
 
     @torch.no_grad()
     def step(self) -> None:
@@ -189,9 +187,7 @@ class OneBitAdam:
         offset = 0
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
-            decoupled = isinstance(self.optimizer, torch.optim.AdamW) or group.get(
-                "decoupled_weight_decay", False
-            )
+            decoupled = group.get("decoupled_weight_decay", False)  # AdamW sets it
             for p in group["params"]:
                 if not p.requires_grad:
                     continue

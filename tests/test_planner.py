@@ -381,9 +381,11 @@ def test_every_printed_recommendation_constructs_that_strategy(capfd, monkeypatc
     assert code == 0, err
     (line,) = re.findall(r"^recommended: (ShardStrategy\(.*\))  \(", out, re.M)
     printed = eval(line, {"ShardStrategy": ShardStrategy})
+    from lightning_shard.cli.plan import plan_kwargs
+
     parser = cli._parser()
     args, extras = parser.parse_known_args(["plan", *argv])
-    kwargs = cli._plan_kwargs(args, extras)
+    kwargs = plan_kwargs(args, extras)
     kwargs.pop("_note")
     result = plan(**kwargs)
     built = ShardStrategy(**result.strategy_kwargs())

@@ -206,7 +206,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lightning-shard {args.command}: error: {err}", file=sys.stderr)
             return 2
     return 0
-
-
-# (tests and older scripts reach the plan's keyword arguments here)
-_plan_kwargs = plan_kwargs

@@ -1,8 +1,9 @@
 """How stages 0-1 all-reduce gradients under the FSDP engine: DDP's hook from ``gradient_compression`` or the
-precision's ``reduce_dtype``, and PowerSGD's state in sharded checkpoints.
+precision's ``reduce_dtype``, and the state of PowerSGD and 1-bit Adam in sharded checkpoints.
 
 The hooks and their state are :mod:`lightning_shard.compression`'s; this module chooses one for the engine's
-DDP wrap (:mod:`lightning_shard.engines._ddp`) and moves PowerSGD's state in and out of a checkpoint. At stages
+DDP wrap (:mod:`lightning_shard.engines._ddp`), hands 1-bit Adam its optimizer, and moves the methods' state in
+and out of a checkpoint. At stages
 2-3 FSDP2 reduce-scatters without a hook.
 """
 
@@ -64,14 +65,14 @@ def attach_optimizers(state: CompressionState, optimizers: list[Any]) -> None:
 
 
 def save_state(saved: dict[str, Any], state: CompressionState, run: RunContext) -> None:
-    """PowerSGD's state into a sharded checkpoint's ``saved`` entries (nothing without PowerSGD)."""
+    """PowerSGD's or 1-bit Adam's state into a sharded checkpoint's ``saved`` entries (nothing without them)."""
     if state is not None:
         hook, powersgd = state
         saved[compression.STATE_KEY] = compression.state_dict(hook, powersgd, run.global_rank, run.world_size)
 
 
 def load_target(state: CompressionState, metadata: Any, run: RunContext) -> dict[str, torch.Tensor] | None:
-    """Where a sharded checkpoint's PowerSGD state is read to (None: nothing to read)."""
+    """Where a sharded checkpoint's compression state is read to (None: nothing to read)."""
     if state is None:
         return None
     return compression.load_target(metadata, run.global_rank)
