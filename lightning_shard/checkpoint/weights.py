@@ -117,6 +117,15 @@ def deepspeed_model_states(path: Path, weights_only: bool | None = False) -> dic
 
 
 def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch.Tensor]:
+    split = len(list((path / DEEPSPEED_TAG).glob("*mp_rank_*_model_states.pt")))
+    if split > 1:  # AutoTP: each mp_rank file holds its own slices, which zero_to_fp32 would take as whole
+        raise errors.CheckpointLoadError(
+            f"Checkpoint {str(path)!r} was written by DeepSpeed with tensor parallelism (AutoTP, {split}"
+            " tensor-parallel ranks): its layers are split across its mp_rank files, which this reader does not"
+            " join. Resume it with the same layout (ShardStrategy(engine='deepspeed',"
+            f" tensor_parallel_size={split}) on as many ranks), or train with engine='fsdp', whose checkpoints"
+            " consolidate at any tensor_parallel_size."
+        )
     states = deepspeed_model_states(path, weights_only)
     if states.get("param_shapes") is None:  # stage 0: no ZeRO partitions, the module is saved whole
         return {key: value.detach().float().clone() for key, value in states["module"].items()}

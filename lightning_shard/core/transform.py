@@ -113,7 +113,8 @@ def prepare(
     engine.check_module(module)
     module = apply_precision(module, precision)
     apply_fp8(module, config)
-    apply_tensor_parallel_once(module, processes.meshes, config)
+    if engine.capabilities.tensor_parallel == "torch":
+        apply_tensor_parallel_once(module, processes.meshes, config)
     apply_expert_parallel_once(module, processes.meshes, config)
     apply_compile(module, config, engine)
     # 4. The engine's one data-parallel wrap, and the allocation from meta.

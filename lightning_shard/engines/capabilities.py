@@ -63,6 +63,10 @@ class Capabilities:
     ``WeightAveraging``, ``StochasticWeightAveraging``)."""
     module_state_after_load: bool
     """After a load, the module's own ``state_dict()`` is the loaded model state (Lightning's hooks read it)."""
+    tensor_parallel: str = "torch"
+    """Who splits the layers at ``tensor_parallel_size > 1``: ``"torch"`` (the core's ``parallelize_module``
+    on the mesh's ``tp`` dimension, before the engine's wrap) or ``"engine"`` (the engine, inside its wrap:
+    DeepSpeed's AutoTP)."""
     requires: tuple[tuple[str, str], ...] = ()
     """``(package, message)``: an importable package it needs, and the refusal when it is missing."""
 
@@ -87,6 +91,7 @@ def refusals(config: ShardConfig, caps: Capabilities, flags: Any = None) -> list
         _checkpointing(config, caps, given),
         _activation_checkpointing(config, caps),
         *_layout(config, caps),
+        _engine_tensor_parallel(config, caps),
         _ddp_options(config, caps),
         _expert_parallel(config, caps),
         _fp8(config, caps, given),
@@ -169,8 +174,8 @@ def _layout(config: ShardConfig, caps: Capabilities) -> list[str | None]:
         return [
             f"ShardStrategy({absent[0]}) is not available with the {caps.label} engine (chosen by engine= or by"
             " NVMe / optimizer-only CPU offload). Use engine='fsdp': FSDP2 composes with torch tensor parallelism"
-            " and runs HSDP (offload_params='cpu' works there); DeepSpeed's own tensor parallelism (AutoTP) and"
-            " hierarchical partitioning are not wired to these flags."
+            " and runs HSDP (offload_params='cpu' works there); DeepSpeed's hierarchical partitioning (ZeRO++ hpZ,"
+            " MiCS) is not wired to replicate_size."
         ]
     if stage == "auto":  # checked again once resolved (ShardStrategy.setup)
         return []
@@ -188,6 +193,33 @@ def _layout(config: ShardConfig, caps: Capabilities) -> list[str | None]:
             " the same all-reduce volume as stage 1) or stage=0."
         )
     return found
+
+
+def _engine_tensor_parallel(config: ShardConfig, caps: Capabilities) -> str | None:
+    """An engine that splits the layers itself (DeepSpeed's AutoTP) takes no torch plan, and its groups are
+    ``(data_parallel, tensor_parallel)`` alone."""
+    tp = config.tensor_parallel_size
+    if tp == 1 or caps.tensor_parallel != "engine":
+        return None
+    prefix = f"ShardStrategy(engine={caps.name!r}, tensor_parallel_size={tp}"
+    if config.tensor_parallel_plan is not None:
+        return (
+            f"{prefix}, tensor_parallel_plan=...) cannot follow the plan: {caps.label} splits the layers by its"
+            " own AutoTP (the Hugging Face plan the model carries, or its parsing of the blocks), not by torch"
+            " ParallelStyles. Drop tensor_parallel_plan, or use engine='fsdp' for a plan of your own."
+        )
+    for flag, size in (
+        ("context_parallel_size", config.context_parallel_size),
+        ("expert_parallel_size", config.expert_parallel_size),
+    ):
+        if size > 1:
+            return (
+                f"{prefix}, {flag}={size}) is not available: {caps.label}'s AutoTP builds its own"
+                " (data_parallel, tensor_parallel) groups, which have no room for a third dimension, and its expert"
+                " and sequence parallelism are not wired beside it. Use engine='fsdp', which composes both with"
+                f" tensor parallelism, or drop {flag}."
+            )
+    return None
 
 
 def _ddp_options(config: ShardConfig, caps: Capabilities) -> str | None:

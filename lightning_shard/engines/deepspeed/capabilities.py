@@ -1,15 +1,16 @@
-"""What the DeepSpeed engine (:mod:`.deepspeed`) serves: ZeRO 0-3, ZeRO-Offload and ZeRO-Infinity."""
+"""What the DeepSpeed engine (:mod:`.deepspeed`) serves: ZeRO 0-3, ZeRO-Offload and ZeRO-Infinity, AutoTP."""
 
 from __future__ import annotations
 
 from lightning_shard import offload
-from lightning_shard.engines.capabilities import ALL_OFFLOADS, Capabilities
+from lightning_shard.engines.capabilities import ALL_OFFLOADS, ALL_STAGES, Capabilities
 
 DEEPSPEED = Capabilities(
     name="deepspeed",
     label="DeepSpeed",
-    # Its MoE experts are ZeRO-1/2 parameters; no tensor, pipeline or replicate dimension is wired here.
-    dims={"ep": frozenset({1, 2})},
+    # Its MoE experts are ZeRO-1/2 parameters; its AutoTP splits layers at every ZeRO stage (checked on 2 CPU
+    # ranks, 0.19.8); no pipeline or replicate dimension is wired here.
+    dims={"ep": frozenset({1, 2}), "tp": ALL_STAGES},
     offload=ALL_OFFLOADS,  # ZeRO-Offload and ZeRO-Infinity (the stage rules are the flags' own)
     checkpoint_modes=frozenset({"sharded"}),  # its own per-rank directory
     async_checkpoint=False,
@@ -21,6 +22,7 @@ DEEPSPEED = Capabilities(
     torch_optimizer=False,  # its ZeRO optimizer wraps the torch one
     averaging_stages=frozenset(),
     module_state_after_load=False,  # it loads its own files, apart from Lightning's entries
+    tensor_parallel="engine",  # AutoTP, inside deepspeed.initialize
     requires=(("deepspeed", offload.DEEPSPEED_MISSING),),
 )
 

@@ -21,7 +21,7 @@ from lightning_shard.checkpoint.staged import downloaded, write_staged
 from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines.base import RunContext
-from lightning_shard.engines.deepspeed import experts, whole_matrix
+from lightning_shard.engines.deepspeed import experts, tensor_parallel, whole_matrix
 
 TAG = ckpt.DEEPSPEED_TAG
 
@@ -69,10 +69,12 @@ def _load_local(
     if not hasattr(model, "load_checkpoint"):
         return _load_weights_only(model, path, run)
     experts.check_resume(path, model, run.world_size)
+    tp = run.dims.tp  # AutoTP: ZeRO partitions over the data-parallel ranks, one mp_rank file per slice
+    tensor_parallel.check_resume(path, tp, run.world_size // tp)
     if split:
         return {k: v for k, v in experts.load(model, path).items() if k not in DEEPSPEED_ENTRIES}
     # Saved on another world size: through DeepSpeed's universal checkpoint (or its weights alone).
-    moved = load_into_deepspeed(model, path, run.world_size, run.is_global_zero, run.barrier, mixed)
+    moved = load_into_deepspeed(model, path, run.world_size // tp, run.is_global_zero, run.barrier, mixed)
     if moved is None:
         load_path, client_state = model.load_checkpoint(  # type: ignore[operator]
             str(path), tag=TAG, load_lr_scheduler_states=False

@@ -1,5 +1,6 @@
 """DeepSpeed's JSON config from the flags (ZeRO stage, offload targets, NVMe's swap folders and I/O), the
-precision policy (bf16 / fp16 and the gradients' reduction dtype) and the Trainer's accumulation and clipping."""
+precision policy (bf16 / fp16 and the gradients' reduction dtype), the tensor-parallel size (AutoTP) and the
+Trainer's accumulation and clipping."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from lightning_shard import offload
 from lightning_shard.config import ShardConfig
 from lightning_shard.engines.base import RunContext, TrainSettings
+from lightning_shard.engines.deepspeed import tensor_parallel
 from lightning_shard.engines.deepspeed.precision import COMM_DTYPES
 
 
@@ -45,6 +47,8 @@ def ds_config(
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
+    if run.dims.tp_enabled:  # DeepSpeed's AutoTP splits the layers inside deepspeed.initialize
+        ds["tensor_parallel"] = tensor_parallel.config_section(run.dims.tp)
     if precision.precision == "bf16-mixed":
         ds["bf16"] = {"enabled": True}
     elif precision.precision == "16-mixed":

@@ -30,7 +30,7 @@ from lightning_shard.checkpoint.storage import Location
 from lightning_shard.engines._matrix_optimizers import check_own_distribution, needs_whole_matrices
 from lightning_shard.engines.base import Engine, RunContext, StateBytes, TrainSettings, on_every_rank_init
 from lightning_shard.engines.deepspeed import checkpoint as checkpoints
-from lightning_shard.engines.deepspeed import experts, offload
+from lightning_shard.engines.deepspeed import experts, offload, tensor_parallel
 from lightning_shard.engines.deepspeed import whole_matrix as matrices
 from lightning_shard.engines.deepspeed.capabilities import DEEPSPEED
 from lightning_shard.engines.deepspeed.config import ds_config
@@ -170,6 +170,10 @@ class DeepSpeedEngine(Engine):
         # of the gradients undoes the weight the strategy gave each rank's loss (docs/context_parallel.md).
         # DeepSpeed's own sequence parallelism (an mpu with a sequence group) would sum over those ranks.
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        if self.run.dims.tp_enabled:  # AutoTP split the layers inside initialize
+            tensor_parallel.check_split(engine, self.run.dims.tp)
+            tensor_parallel.check_groups(self.run)
+            tensor_parallel.guard_inputs(engine, self.run)
         return engine, ds_optimizer, optimizer
 
     # --- training --------------------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""Tensor parallelism under the DeepSpeed engine (DeepSpeed's AutoTP): a tiny Hugging Face ``LlamaForCausalLM`` on
+2 ranks with ``ShardStrategy(engine="deepspeed", stage=0..3, tensor_parallel_size=2)`` follows one process that reads
+the same rows (the whole tensor-parallel group reads one batch: Lightning's injected sampler, sized by
+``ParallelDims``), step by step and to the final weights (fp32, SGD and AdamW, clipping on); a checkpoint resumes on
+the same layout, and a different layout is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.multiprocessing import ProcessRaisedException
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_shard import ShardStrategy
+from lightning_shard.checkpoint import load_model_weights
+from lightning_shard.demos.ranks import run_ranks
+from tests.helpers import SEQ, CausalLM, LossRecorder, token_dataset, tiny_llama_config, trainer_kwargs
+
+pytest.importorskip("deepspeed")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
+
+TP, BATCH, HIDDEN = 2, 8, 32
+# The gradient norm of this model's first steps is ~0.5: a clip at 0.3 cuts every step, so a norm off by a
+# factor (a slice counted twice, a replicated weight counted per rank) moves the SGD runs.
+CLIP = 0.3
+#: (ZeRO stage, optimizer, gradient_clip_val): every stage, SGD (gradient-scale sensitive) and AdamW.
+CASES = [
+    (0, "sgd", CLIP),
+    (1, "sgd", CLIP),
+    (1, "adamw", None),
+    (2, "sgd", None),
+    (2, "adamw", CLIP),
+    (3, "sgd", CLIP),
+]
+
+
+class Model(CausalLM):
+    """AdamW at eps 1e-5, lr 1e-3: its first steps divide each gradient by its own magnitude plus eps, so a
+    gradient near zero whose fp32 rounding differs with the split matmuls' summation order (~1e-10) moves the
+    weights by up to lr x 1e-10 / eps. At torch's eps 1e-8 and lr 1e-2 that was 3.3e-5 (losses still equal to
+    1e-7); here it stays under 1e-7."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-5)
+
+
+class Probe(L.Callback):
+    """How q_proj / o_proj are held at the start (each rank's slice), and every full weight at the end (ZeRO-3's
+    partitions gathered, then AutoTP's slices)."""
+
+    def __init__(self) -> None:
+        self.local: dict[str, Any] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        attention = pl_module.model.model.layers[0].self_attn
+        for name in ("q_proj", "o_proj"):
+            layer = getattr(attention, name)
+            self.local[name] = (
+                type(layer).__name__,
+                tuple(getattr(layer.weight, "ds_shape", layer.weight.shape)),
+            )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = gathered(pl_module)
+
+
+def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    out = {}
+    for prefix, sub in module.named_modules():
+        named = list(sub.named_parameters(recurse=False))
+        params = [p for _, p in named]
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters(params), GatherReplacedLayerParams(params, sub, enabled=True):
+            for name, p in named:
+                out[f"{prefix}.{name}"] = p.detach().float().clone()
+    return out
+
+
+def _fit(devices: int, strategy: Any, optimizer: str, clip: float | None) -> tuple[list[float], Probe]:
+    recorder, probe = LossRecorder(), Probe()
+    trainer = L.Trainer(
+        devices=devices,
+        strategy=strategy,
+        callbacks=[recorder, probe],
+        # The ranks read through the sampler Lightning injects (ShardStrategy's distributed_sampler_kwargs).
+        **trainer_kwargs(max_steps=3, gradient_clip_val=clip, use_distributed_sampler=devices > 1),
+    )
+    torch.manual_seed(0)
+    model = Model(tiny_llama_config(max_position_embeddings=SEQ), optimizer)
+    dataset = token_dataset()
+    if devices > 1:
+        data = DataLoader(dataset, batch_size=BATCH * TP // devices)
+    else:  # what one tensor-parallel group reads: Lightning's sampler (shuffled, seed 0) over one data rank
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        data = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    trainer.fit(model, data)
+    return recorder.losses, probe
+
+
+def _reference(optimizer: str, clip: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, probe = _fit(1, "auto", optimizer, clip)
+    return losses, {k: v for k, v in probe.weights.items()}
+
+
+def _ranks() -> list[dict[str, Any]]:
+    out = []
+    for stage, optimizer, clip in CASES:
+        strategy = ShardStrategy(engine="deepspeed", stage=stage, tensor_parallel_size=TP)
+        losses, probe = _fit(TP, strategy, optimizer, clip)
+        out.append({"losses": losses, "local": probe.local, "weights": probe.weights})
+    return out
+
+
+def test_autotp_every_stage_follows_one_process():
+    references = [_reference(optimizer, clip) for _, optimizer, clip in CASES]
+    results = run_ranks(_ranks, world_size=TP)
+    for rank, cases in enumerate(results):
+        for (stage, optimizer, clip), (ref_losses, ref_weights), got in zip(CASES, references, cases):
+            where = f"rank {rank}, stage {stage}, {optimizer}, clip {clip}"
+            assert len(ref_losses) == 3
+            torch.testing.assert_close(
+                got["losses"], ref_losses, rtol=1e-5, atol=0, msg=lambda m, w=where: f"{w}: {m}"
+            )
+            # The feature acted: each rank holds half of q_proj's rows (column-parallel) and o_proj's columns.
+            assert got["local"] == {
+                "q_proj": ("LinearLayer", (HIDDEN // TP, HIDDEN)),
+                "o_proj": ("LinearAllreduce", (HIDDEN, HIDDEN // TP)),
+            }, where
+            assert got["weights"].keys() == ref_weights.keys(), where
+            for name, weight in ref_weights.items():
+                torch.testing.assert_close(
+                    got["weights"][name],
+                    weight,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, w=where, n=name: f"{w}, {n}: {m}",
+                )
+
+
+def _save_resume(folder: str, resume: str | None, tensor_parallel_size: int = TP) -> list[float]:
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        devices=2,
+        strategy=ShardStrategy(engine="deepspeed", stage=1, tensor_parallel_size=tensor_parallel_size),
+        callbacks=[recorder, ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)],
+        **trainer_kwargs(max_steps=4, enable_checkpointing=True, use_distributed_sampler=True),
+    )
+    torch.manual_seed(0)
+    # 16 rows, batch 8: an epoch is 2 steps, so the step-2 checkpoint is an epoch's end (a plain loader resumed
+    # mid-epoch would replay the epoch's first rows).
+    data = DataLoader(token_dataset(16), batch_size=BATCH)
+    trainer.fit(Model(tiny_llama_config(max_position_embeddings=SEQ), "adamw"), data, ckpt_path=resume)
+    return recorder.losses
+
+
+def test_autotp_resumes_on_its_layout_and_refuses_another(tmp_path):
+    whole = run_ranks(_save_resume, str(tmp_path), None)[0]
+    ckpt = tmp_path / "epoch=0-step=2.ckpt"
+    assert sorted(p.name for p in (ckpt / "checkpoint").glob("mp_rank_*")) == [
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+    ]
+    resumed = run_ranks(_save_resume, str(tmp_path / "again"), str(ckpt))[0]
+    torch.testing.assert_close(resumed, whole[2:], rtol=1e-5, atol=0)
+    with pytest.raises(
+        ProcessRaisedException, match=r"written with tensor_parallel_size=2 over 1 data-parallel"
+    ):
+        run_ranks(_save_resume, str(tmp_path / "other"), str(ckpt), 1)
+    with pytest.raises(ValueError, match=r"tensor parallelism \(AutoTP, 2 tensor-parallel ranks\)"):
+        load_model_weights(ckpt)
