@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import load_model_weights
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import SEQ, CausalLM, LossRecorder, token_dataset, tiny_llama_config, trainer_kwargs
+from tests.helpers import SEQ, CausalLM, LossRecorder, tiny_llama_config, token_dataset, trainer_kwargs
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
@@ -128,7 +128,9 @@ def test_autotp_every_stage_follows_one_process():
     references = [_reference(optimizer, clip) for _, optimizer, clip in CASES]
     results = run_ranks(_ranks, world_size=TP)
     for rank, cases in enumerate(results):
-        for (stage, optimizer, clip), (ref_losses, ref_weights), got in zip(CASES, references, cases):
+        for (stage, optimizer, clip), (ref_losses, ref_weights), got in zip(
+            CASES, references, cases, strict=True
+        ):
             where = f"rank {rank}, stage {stage}, {optimizer}, clip {clip}"
             assert len(ref_losses) == 3
             torch.testing.assert_close(

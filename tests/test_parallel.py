@@ -32,7 +32,26 @@ def test_layout_orders_tp_innermost_then_shard_then_replicate():
         (dict(stage=0, replicate_size=2), "need stage 2 or 3"),
         (dict(stage=1, tensor_parallel_size=2), "Use stage=2"),
         pytest.param(
-            dict(engine="deepspeed", tensor_parallel_size=2), "Use engine='fsdp'", marks=pytest.mark.deepspeed
+            dict(engine="deepspeed", stage=2, replicate_size=2),
+            "Use engine='fsdp'",
+            marks=pytest.mark.deepspeed,
+        ),
+        pytest.param(
+            dict(
+                engine="deepspeed", tensor_parallel_size=2, tensor_parallel_plan={"blocks.*.qkv": "colwise"}
+            ),
+            "splits the layers by its own AutoTP",
+            marks=pytest.mark.deepspeed,
+        ),
+        pytest.param(
+            dict(engine="deepspeed", stage=1, tensor_parallel_size=2, expert_parallel_size=2),
+            "expert_parallel_size=2) is not available: DeepSpeed's AutoTP builds its own",
+            marks=pytest.mark.deepspeed,
+        ),
+        pytest.param(
+            dict(engine="deepspeed", stage=1, tensor_parallel_size=2, context_parallel_size=2),
+            "context_parallel_size=2) is not available: DeepSpeed's AutoTP builds its own",
+            marks=pytest.mark.deepspeed,
         ),
         pytest.param(
             dict(stage=3, offload_optimizer="nvme", nvme_path="/tmp", replicate_size=2),

@@ -1034,8 +1034,8 @@ def test_consolidate_still_reports_a_missing_checkpoint(capsys, tmp_path):
             r"plan\(stage=1\): ShardStrategy\(stage=1, replicate_size=2\): replica groups \(HSDP\) need stage 2",
         ),
         (
-            lambda: plan(7e9, world_size=8, tensor_parallel_size=2, engine="deepspeed", device_memory="8GB"),
-            r"ShardStrategy\(tensor_parallel_size=2\) is not available with the DeepSpeed engine",
+            lambda: plan(7e9, world_size=8, replicate_size=2, engine="deepspeed", device_memory="8GB"),
+            r"ShardStrategy\(replicate_size=2\) is not available with the DeepSpeed engine",
         ),
     ],
 )
