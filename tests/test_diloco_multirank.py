@@ -52,8 +52,13 @@ def _fragment_due(step: int, every: int, fragments: int) -> int | None:
     return None
 
 
-def _reference(every: int, fragments: int, steps: int) -> list[dict[str, torch.Tensor]]:
-    """DiLoCo in plain torch: each group's final weights."""
+def _reference(
+    every: int, fragments: int, steps: int, batches: list[int] | None = None, resume: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """DiLoCo in plain torch: each group's final weights (``batches``: the batch each step reads, in order by
+    default; ``resume``: after that step both groups go on from group 0's model and AdamW state, as from the
+    checkpoint group 0 wrote there, the last-sync copy and the outer momentum kept)."""
+    batches = batches or list(range(steps))
     x, y = _data()
     start = _model()
     models = [copy.deepcopy(start) for _ in range(GROUPS)]
@@ -63,8 +68,11 @@ def _reference(every: int, fragments: int, steps: int) -> list[dict[str, torch.T
     parts = [list(range(i * n // fragments, (i + 1) * n // fragments)) for i in range(fragments)]
     outer = [torch.optim.SGD([backup[j] for j in part], **OUTER) for part in parts]
     for step in range(1, steps + 1):
+        if step - 1 == resume:
+            models[1].load_state_dict(models[0].state_dict())
+            inner[1].load_state_dict(copy.deepcopy(inner[0].state_dict()))  # (load_state_dict shares tensors)
         for group, (model, optimizer) in enumerate(zip(models, inner, strict=True)):
-            rows = _rows(group, step - 1)
+            rows = _rows(group, batches[step - 1])
             loss = nn.functional.mse_loss(model(x[rows]), y[rows])
             optimizer.zero_grad()
             loss.backward()
@@ -231,11 +239,15 @@ def test_streaming_diloco_syncs_one_fragment_at_a_time(runs):
 
 
 def test_a_checkpoint_mid_cycle_resumes_the_outer_state_exactly(runs):
-    """Saved after step 4 (one sync behind it, two steps into the next cycle) and resumed to step 9: the
-    weights of an uninterrupted run (the last-sync copy, the outer momentum and the cycle's position came
-    back), syncing after steps 6 and 9 only."""
-    worst = _assert_weights(runs, "resumed", _reference(3, 1, 9))
+    """Saved after step 4 (one sync behind it, one step into the next cycle) and resumed to step 9: the
+    weights of the plain torch run (the last-sync copy, the outer momentum and the cycle's position came back),
+    syncing after steps 6 and 9 only. The checkpoint is group 0's (the lowest group writes): both groups go on
+    from its model and AdamW state. Lightning starts a plain DataLoader's epoch again on a mid-epoch resume:
+    steps 5-9 read batches 0-4, as the groups' records show."""
+    batches = [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    worst = _assert_weights(runs, "resumed", _reference(3, 1, 9, batches, resume=4))
     print(f"resumed: weight max |diff| vs reference {worst:.2e}")
     for group in range(GROUPS):
         record = json.loads((runs / f"resumed{group}.json").read_text())
         assert record["synced_at"] == [6, 9] and record["outer_steps"] == 3, record
+        assert record["first_x"] == [_data()[0][_rows(group, b)[0], 0].item() for b in batches[4:]]
