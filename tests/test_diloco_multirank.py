@@ -138,7 +138,9 @@ def _fit(root: str, lighthouse: str, ports: list[int]) -> None:
 
     def fit(name: str, stage: int, every: int, fragments: int, steps: int, **kwargs: Any) -> dict[str, Any]:
         ft = {"replica_id": group, "replica_groups": GROUPS, "lighthouse": lighthouse, "min_replicas": 2}
-        ft.update(semi_sync="diloco", sync_every=every, fragments=fragments, outer_optimizer=OUTER, timeout=30)
+        ft.update(
+            semi_sync="diloco", sync_every=every, fragments=fragments, outer_optimizer=OUTER, timeout=30
+        )
         module, count, callbacks = Module(), Count(), kwargs.pop("callbacks", [])
         trainer = L.Trainer(
             accelerator="cpu",
@@ -156,8 +158,12 @@ def _fit(root: str, lighthouse: str, ports: list[int]) -> None:
         mine = list(range(ROWS))[group::GROUPS]  # this group's rows, in order
         trainer.fit(module, DataLoader(TensorDataset(x[mine], y[mine]), batch_size=BATCH), **kwargs)
         replicas = trainer.strategy.replica_group
-        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
-        torch.save({k.removeprefix("net."): v.detach() for k, v in weights.items()}, Path(root) / f"{name}{group}.pt")
+        weights = {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()
+        }
+        torch.save(
+            {k.removeprefix("net."): v.detach() for k, v in weights.items()}, Path(root) / f"{name}{group}.pt"
+        )
         record = {
             "synced_at": replicas.outer.synced_at,
             "outer_steps": replicas.outer.outer_steps,
@@ -204,7 +210,9 @@ def _assert_weights(root: Path, name: str, reference: list[dict[str, torch.Tenso
     for group in range(GROUPS):
         got = torch.load(root / f"{name}{group}.pt", weights_only=True)
         for key, want in reference[group].items():
-            torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-7, msg=f"{name}, group {group}, {key}")
+            torch.testing.assert_close(
+                got[key], want, rtol=1e-5, atol=1e-7, msg=f"{name}, group {group}, {key}"
+            )
             worst = max(worst, (got[key] - want).abs().max().item())
     return worst
 

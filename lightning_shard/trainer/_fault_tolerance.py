@@ -17,7 +17,8 @@ import lightning as L
 from lightning.pytorch.trainer import call
 
 from lightning_shard.core.replica_groups import join_replica_groups
-from lightning_shard.fault_tolerance.replicas import ReplicaGroups, rng_state, set_rng_state
+from lightning_shard.fault_tolerance._rng import rng_state, set_rng_state
+from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 
 
 def _trainer_state(trainer: L.Trainer) -> dict[str, Any]:
