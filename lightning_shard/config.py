@@ -231,6 +231,13 @@ def _check_fault_tolerance(flags: ShardFlags, stage: Any, ddp_hook: bool) -> Fau
     if ft is None:
         return None
     given = "ShardStrategy(fault_tolerance=...,"
+    if ft.semi_sync is not None and flags.gradient_compression is not None:
+        raise ValueError(
+            f"{given} gradient_compression={flags.gradient_compression!r}) with semi_sync={ft.semi_sync.kind!r} is"
+            " not available: semi_sync sends the weights' change every sync_every steps, not gradients, and a"
+            " compression's error feedback would be kept across syncs it never sees. Drop gradient_compression,"
+            " or semi_sync."
+        )
     if stage == "auto":
         raise ValueError(
             f"{given} stage='auto') is not available: every replica group must shard alike, and 'auto' plans"

@@ -260,9 +260,11 @@ class ShardFlags:
         "replica groups that train on while one is lost and rejoins, healed from a live peer (torchft):"
         " ``{'replica_id': i, 'replica_groups': n, 'lighthouse': 'http://host:port', 'min_replicas': 1,"
         " 'timeout': 60}``, missing keys read from REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE,"
-        " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine (docs/fault_tolerance.md).",
+        " TORCHFT_MIN_REPLICAS; every stage of the FSDP engine; ``'semi_sync': 'diloco' | 'local_sgd'`` with"
+        " ``'sync_every'``, ``'fragments'``, ``'fragment_update_alpha'``, ``'outer_optimizer'``: DiLoCo every H steps"
+        " instead of an every-step gradient mean (Trainer only; docs/fault_tolerance.md).",
         "config.py, parallel/dims.py, core/replica_groups.py, trainer/strategy.py, trainer/_fault_tolerance.py,"
-        " fabric/_fault_tolerance.py",
+        " trainer/_checkpoint.py, fabric/_fault_tolerance.py, fabric/_setup.py",
     )
 
 

@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 
 from lightning_shard.core.replica_groups import join_replica_groups as join_groups
 from lightning_shard.fabric._checkpoint import is_optimizer, restore_entries
-from lightning_shard.fault_tolerance.replicas import ReplicaGroups, rng_state, set_rng_state
+from lightning_shard.fault_tolerance._rng import rng_state, set_rng_state
+from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 
 
 class FabricReplicas:

@@ -100,6 +100,13 @@ def refuse_trainer_only(config: ShardConfig) -> None:
             "it is a Trainer optimizer-step hook. In a Fabric loop,"
             " skip the step yourself when fabric.all_reduce(loss.isfinite().float(), reduce_op='min') is 0",
         ),
+        (
+            "fault_tolerance={'semi_sync': ...}",
+            config.fault_tolerance is not None and config.fault_tolerance.semi_sync is not None,
+            "DiLoCo's outer step, its checkpointed state and its heal are wired to the Trainer's loop. Train"
+            " with Trainer(strategy=ShardStrategy(fault_tolerance=...)), or drop semi_sync in Fabric (gradients"
+            " averaged over the groups at every step)",
+        ),
     ]
     for flag, hit, why in refused:
         if hit:

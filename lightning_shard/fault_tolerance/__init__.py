@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from lightning_shard.fault_tolerance.semi_sync import SEMI_SYNC_KEYS, SemiSync, semi_sync_from
+
 #: Environment variables read where the flag leaves a key out (one launch command for every group).
 ENV = {
     "replica_id": "REPLICA_GROUP_ID",
@@ -27,7 +29,7 @@ ENV = {
     "lighthouse": "TORCHFT_LIGHTHOUSE",
     "min_replicas": "TORCHFT_MIN_REPLICAS",
 }
-KEYS = ("replica_id", "replica_groups", "lighthouse", "min_replicas", "timeout")
+KEYS = ("replica_id", "replica_groups", "lighthouse", "min_replicas", "timeout", *SEMI_SYNC_KEYS)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class FaultTolerance:
     min_replicas: int = 1
     #: Seconds a quorum, a cross-group collective or a heal may take before the step fails.
     timeout: float = 60.0
+    #: DiLoCo or local SGD every ``sync_every`` steps instead of a gradient mean at every step (``None``).
+    semi_sync: SemiSync | None = None
 
     @classmethod
     def from_flag(cls, value: Any, owner: str = "ShardStrategy") -> FaultTolerance | None:
@@ -71,6 +75,7 @@ class FaultTolerance:
                 f"{owner}(fault_tolerance=...) needs {', '.join(repr(k) for k in missing)}: pass them in the dict"
                 f" or set {', '.join(ENV[k] for k in missing)} for each group's processes."
             )
+        semi_sync = semi_sync_from(given, f"{owner}(fault_tolerance=...)")
         try:
             ft = cls(
                 replica_id=int(given["replica_id"]),
@@ -78,6 +83,7 @@ class FaultTolerance:
                 lighthouse=str(given["lighthouse"]),
                 min_replicas=int(given.get("min_replicas", 1)),
                 timeout=float(given.get("timeout", 60.0)),
+                semi_sync=semi_sync,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{owner}(fault_tolerance={value!r}): {err}") from err

@@ -71,7 +71,7 @@ class AcrossGroups:
 
 
 #: The most bytes of gradients one cross-group all-reduce carries (DDP's default bucket size).
-_CHUNK_BYTES = 25 * 1024 * 1024
+CHUNK_BYTES = 25 * 1024 * 1024
 
 
 def average_gradients(manager: Any, module: nn.Module) -> None:
@@ -86,7 +86,7 @@ def average_gradients(manager: Any, module: nn.Module) -> None:
     for p in params:
         key = (p.dtype, p.device)
         nbytes = _local(p).numel() * p.element_size()
-        if key not in open_chunk or 0 < sizes[key] and sizes[key] + nbytes > _CHUNK_BYTES:
+        if key not in open_chunk or 0 < sizes[key] and sizes[key] + nbytes > CHUNK_BYTES:
             open_chunk[key] = []
             chunks.append(open_chunk[key])
             sizes[key] = 0

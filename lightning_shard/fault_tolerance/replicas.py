@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -40,6 +38,7 @@ from torch.optim import Optimizer
 from lightning_shard._dtensor import laid_out_as
 from lightning_shard.fault_tolerance import FaultTolerance, check_reachable
 from lightning_shard.fault_tolerance._across import AcrossGroups
+from lightning_shard.fault_tolerance.diloco import OuterSync
 
 log = logging.getLogger(__name__)
 _KEY = "lightning_shard"
@@ -97,6 +96,8 @@ class ReplicaGroups:
         self.model: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
         self.own_state: OwnState | None = None
+        #: ``semi_sync``: the outer step, the last-sync copy and the cycle's position (set per fit).
+        self.outer: OuterSync | None = None
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=None,
@@ -162,6 +163,14 @@ class ReplicaGroups:
         self.own_state = own_state
         self.participants, self.discarded, self.heals, self.asked_ahead = [], 0, [], 0  # this fit's record
         self.waits = []
+        if self.ft.semi_sync is not None:  # no cross-group gradient mean: the groups sync every H steps
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"ShardStrategy(fault_tolerance={{'semi_sync': {self.ft.semi_sync.kind!r}, ...}}) counts the"
+                    f" steps of one optimizer (got {len(self.optimizers)}): configure_optimizers must return one."
+                )
+            self.outer = OuterSync(self.ft.semi_sync, self.manager, model)
+            return
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if sharded:
             across = AcrossGroups(self.manager, model, self._waited_across)
@@ -183,10 +192,22 @@ class ReplicaGroups:
             self._safe.set()
             self._next.join()
             self._next = None
+        if self.outer is not None:
+            if not self.outer.backup:  # else restored from a checkpoint
+                self.outer.snapshot()
+            self.outer.sync_next = False
         started = time.perf_counter()
         self._writes = self._quorum()
         self._waited["quorum"] += time.perf_counter() - started
         self._quorum_ready, self._commits = True, None
+        if self.outer is not None and not (self.healed is not None and self.outer.sync_next):
+            # A fit's first quorum serves no sync, unless this group healed from a peer at a sync's quorum (its
+            # next step is that sync's): closed here, so a group that starts later is behind and heals. The
+            # all-reduce first: a peer healing from this group has its state once it reaches it, and the commit
+            # ends the window in which this group serves its state.
+            self._quorum_ready = False
+            self.manager.allreduce(torch.zeros(1)).wait()
+            self.manager.should_commit()
 
     def _quorum(self) -> bool:
         """Join a quorum; whether this group is its lowest (the one that writes checkpoints)."""
@@ -229,8 +250,14 @@ class ReplicaGroups:
 
     def settle(self) -> None:
         """The loop is before a step's first forward: a peer's state may be read from here on; wait for the
-        quorum asked for after the last step (its heal, if any, applied), which the step then uses."""
+        quorum asked for after the last step (its heal, if any, applied), which the step then uses.
+        With ``semi_sync``, the quorum of a step followed by a sync is joined here."""
         self._safe.set()
+        if self.outer is not None:
+            if not self._quorum_ready and self.outer.due_next():
+                self.outer.sync_next = True  # a group healing from this quorum syncs with it
+                self.join_sync()
+            return
         pending, self._next = self._next, None
         if pending is None:
             return
@@ -282,7 +309,13 @@ class ReplicaGroups:
 
     def step(self, closure: Callable[[], Any], optimizer_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """One training step: the quorum, ``closure`` (forward, backward, the cross-group average), then
-        ``optimizer_step`` only if the step commits on every participating group."""
+        ``optimizer_step`` only if the step commits on every participating group. With ``semi_sync``: the
+        group's own step, then the outer sync where one is due."""
+        if self.outer is not None:
+            result = closure()
+            optimizer_step(lambda: result)
+            self._outer_step()
+            return result
         self.ensure_quorum()
         self._quorum_ready = False
         result = closure()
@@ -291,15 +324,46 @@ class ReplicaGroups:
             return result
         return None
 
+    def join_sync(self) -> None:
+        """Join the quorum a sync uses (healing first if this group is behind)."""
+        started = time.perf_counter()
+        self._writes = self._quorum()
+        self._waited["quorum"] += time.perf_counter() - started
+        self._quorum_ready = True
+
+    def _outer_step(self) -> None:
+        assert self.outer is not None
+        fragment = self.outer.after_step()
+        if fragment is None:
+            return
+        if not self._quorum_ready:  # no forward passed settle() since the last sync
+            self.join_sync()
+        self._quorum_ready, self.outer.sync_next = False, False
+        self.participants.append(self.manager.num_participants())
+        started = time.perf_counter()
+        committed = self.outer.sync(fragment)
+        self._waited["cross_group"] += time.perf_counter() - started
+        self.waits.append({**self._waited, "commit": 0.0})
+        self._waited = {"quorum": 0.0, "cross_group": 0.0}
+        if not committed:
+            self.discarded += 1
+            log.warning(
+                "Replica group %d: the sync after step %d did not commit (a participant failed or too few"
+                " groups); the local weights are kept and the next sync averages the change since the last"
+                " one. %d syncs discarded so far.",
+                self.ft.replica_id,
+                self.outer.steps,
+                self.discarded,
+            )
+
     def metrics(self) -> dict[str, float]:
         """``ft/participants`` (of the last step), ``ft/discarded_steps`` and, after a heal, ``ft/heal_seconds``
         (empty before the first step)."""
+        metrics = {} if self.outer is None else self.outer.metrics()
         if not self.participants:
-            return {}
-        metrics = {
-            "ft/participants": float(self.participants[-1]),
-            "ft/discarded_steps": float(self.discarded),
-        }
+            return metrics
+        metrics["ft/participants"] = float(self.participants[-1])
+        metrics["ft/discarded_steps"] = float(self.discarded)
         if self.heals:
             metrics["ft/heal_seconds"] = self.heals[-1]
         return metrics
@@ -323,6 +387,7 @@ class ReplicaGroups:
             "model": _local(self.model.state_dict()),
             "optimizers": [self._optimizer_state(optimizer) for optimizer in self.optimizers],
             "extra": self.extra_state(),
+            "outer": None if self.outer is None else self.outer.state(),
         }
 
     def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -353,27 +418,10 @@ class ReplicaGroups:
                 # local optimizer at each step: the peer's arrive with the local state (see _optimizer_state).
                 for outer, local in zip(optimizer.param_groups, own.param_groups, strict=True):
                     outer.update({k: v for k, v in local.items() if k != "params"})
+        if self.outer is not None and state.get("outer") is not None:
+            self.outer.load(state["outer"])
         self.healed = state["extra"]
         self.load_extra(state["extra"])
-
-
-def rng_state() -> dict[str, Any]:
-    """The process's random generators (torch, Python, NumPy), in tensors and plain values only."""
-    numpy: Any = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [numpy[0], torch.from_numpy(numpy[1].astype(np.int64)), *numpy[2:]],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` gave (a peer's)."""
-    torch.set_rng_state(state["torch"])
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    numpy = state["numpy"]
-    np.random.set_state((numpy[0], numpy[1].numpy().astype(np.uint32), *numpy[2:]))
 
 
 def _own(optimizer: Optimizer) -> Optimizer:

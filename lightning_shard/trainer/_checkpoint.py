@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from lightning_shard.checkpoint.storage import Remote, newest_last, resolve
 from lightning_shard.engines import declared
 from lightning_shard.trainer import _compat as trainer_compat
+from lightning_shard.trainer import _fault_tolerance as fault_tolerance
 
 
 def last_on_object_stores(strategy_class: type, trainer: Any) -> str | None:
@@ -52,6 +53,7 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any, st
     exception = interrupted(strategy.lightning_module)
     if not (exception or strategy._writes_checkpoints()):  # a group leaving writes its own
         return
+    fault_tolerance.save_outer(strategy._replicas, checkpoint)
     strategy._save_checkpoint(checkpoint, filepath, exception=exception)
     if exception:
         strategy._engines.wait_for_checkpoints()

@@ -17,7 +17,8 @@ import lightning as L
 from lightning.pytorch.trainer import call
 
 from lightning_shard.core.replica_groups import join_replica_groups
-from lightning_shard.fault_tolerance.replicas import ReplicaGroups, rng_state, set_rng_state
+from lightning_shard.fault_tolerance._rng import rng_state, set_rng_state
+from lightning_shard.fault_tolerance.replicas import ReplicaGroups
 
 
 def _trainer_state(trainer: L.Trainer) -> dict[str, Any]:
@@ -103,9 +104,27 @@ def end(replicas: ReplicaGroups | None) -> None:
         replicas.release()
 
 
+#: The checkpoint entry of ``semi_sync``'s outer state (last-sync copy, outer momentum, cycle position).
+OUTER_KEY = "semi_sync"
+
+
+def save_outer(replicas: ReplicaGroups | None, checkpoint: dict[str, Any]) -> None:
+    """``semi_sync``: the outer state into ``checkpoint``, whole tensors (every rank of the writing group
+    gathers its shards), so the run resumes exactly, on any rank layout."""
+    if replicas is not None and replicas.outer is not None:
+        checkpoint[OUTER_KEY] = replicas.outer.checkpoint_state()
+
+
+def load_outer(replicas: ReplicaGroups | None, checkpoint: dict[str, Any]) -> None:
+    """``semi_sync``: the outer state of a loaded checkpoint restored (a checkpoint without one, such as an
+    every-step run's, starts a cycle from its weights)."""
+    if replicas is not None and replicas.outer is not None and OUTER_KEY in checkpoint:
+        replicas.outer.load_checkpoint_state(checkpoint[OUTER_KEY])
+
+
 def log_step(replicas: ReplicaGroups, trainer: L.Trainer, is_global_zero: bool) -> None:
-    """``ft/participants``, ``ft/discarded_steps`` and (after a heal) ``ft/heal_seconds`` on each group's
-    loggers."""
+    """``ft/participants``, ``ft/discarded_steps``, (after a heal) ``ft/heal_seconds`` and (``semi_sync``)
+    ``ft/outer_steps`` and ``ft/cross_group_bytes`` on each group's loggers."""
     metrics = replicas.metrics()
     if is_global_zero and metrics:
         for logger in trainer.loggers:

@@ -383,6 +383,7 @@ class ShardStrategy(ProcessGroups, ParallelStrategy):
         if weights_only is None:
             weights_only = weights_only_given(self.lightning_module)
         checkpoint = self._live().load(self.optimizers, path, weights_only, "ShardStrategy", "ckpt_path")
+        fault_tolerance.load_outer(self._replicas, checkpoint)
         return with_module_state(checkpoint, self._lm, self.config.engine)
 
 
