@@ -604,12 +604,12 @@ def test_70b_at_2048_tokens_needs_no_tensor_parallelism():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed installed")
-def test_with_deepspeed_the_layout_gives_no_mesh_flags():
+def test_with_deepspeed_the_layout_takes_autotp_and_no_replicate_size():
     result = plan(70e9, world_size=256, device_memory="80GB", seq_len=4096, layout=True, engine="deepspeed")
-    # DeepSpeed refuses tensor_parallel_size and replicate_size: the line stays data-parallel.
-    assert result.strategy == 'ShardStrategy(stage=3, engine="deepspeed", activation_checkpointing="full")'
-    assert all(o.row.unsupported for o in result.layout.options if o.tp > 1)
-    assert re.search(r"^8 +\d+ +\d+ +\d .* n/a ", result.table(), re.M)
+    # DeepSpeed's AutoTP serves tensor_parallel_size (the same line as FSDP's); replicate_size stays refused.
+    assert result.strategy == 'ShardStrategy(stage=3, engine="deepspeed", tensor_parallel_size=2)'
+    assert not any(o.row.unsupported for o in result.layout.options if o.tp > 1)
+    assert re.search(r"^8 +1 +32 +2 .* yes ", result.table(), re.M)
     assert any("replicate_size=32) is not available with the DeepSpeed engine" in n for n in result.notes)
 
 
