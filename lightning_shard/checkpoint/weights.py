@@ -9,6 +9,7 @@ DeepSpeed's files, which their libraries unpickle without it).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -116,8 +117,18 @@ def deepspeed_model_states(path: Path, weights_only: bool | None = False) -> dic
     return torch.load(states, map_location="cpu", weights_only=False)
 
 
+def deepspeed_tensor_parallel_ranks(tag: Path) -> int:
+    """How many tensor-parallel ranks (AutoTP) wrote DeepSpeed's tag folder ``tag``: the distinct ``mp_rank_NN``
+    of its model-state files (ZeRO-3 writes one ``zero_pp_rank_R_mp_rank_NN_model_states.pt`` per data-parallel
+    rank, all ``mp_rank_00`` without tensor parallelism)."""
+    names = (
+        re.search(r"mp_rank_(\d+)_model_states\.pt$", p.name) for p in tag.glob("*mp_rank_*_model_states.pt")
+    )
+    return len({match.group(1) for match in names if match is not None})
+
+
 def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch.Tensor]:
-    split = len(list((path / DEEPSPEED_TAG).glob("*mp_rank_*_model_states.pt")))
+    split = deepspeed_tensor_parallel_ranks(path / DEEPSPEED_TAG)
     if split > 1:  # AutoTP: each mp_rank file holds its own slices, which zero_to_fp32 would take as whole
         raise errors.CheckpointLoadError(
             f"Checkpoint {str(path)!r} was written by DeepSpeed with tensor parallelism (AutoTP, {split}"

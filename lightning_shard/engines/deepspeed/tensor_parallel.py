@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.checkpoint import DEEPSPEED_TAG
+from lightning_shard.checkpoint.weights import deepspeed_tensor_parallel_ranks
 from lightning_shard.engines.base import RunContext
 
 
@@ -112,7 +113,7 @@ def saved_sizes(folder: Path) -> tuple[int, int]:
     """``(tensor-parallel ranks, data-parallel ranks)`` a DeepSpeed checkpoint was written with (``0``
     data-parallel ranks: no ZeRO partitions, stage 0)."""
     tag = folder / DEEPSPEED_TAG
-    tp = len(list(tag.glob("*mp_rank_*_model_states.pt"))) or 1
+    tp = deepspeed_tensor_parallel_ranks(tag) or 1
     dp = len(list(tag.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
     return tp, dp
 
