@@ -113,8 +113,7 @@ def prepare(
     engine.check_module(module)
     module = apply_precision(module, precision)
     apply_fp8(module, config)
-    if engine.capabilities.tensor_parallel == "torch":
-        apply_tensor_parallel_once(module, processes.meshes, config)
+    apply_tensor_parallel_once(module, processes.meshes, config, engine)
     apply_expert_parallel_once(module, processes.meshes, config)
     apply_compile(module, config, engine)
     # 4. The engine's one data-parallel wrap, and the allocation from meta.
@@ -158,12 +157,19 @@ def apply_fp8(module: nn.Module, config: ShardConfig) -> None:
         fp8.convert(module, config.fp8)
 
 
-def apply_tensor_parallel_once(module: nn.Module, meshes: ParallelMeshes, config: ShardConfig) -> None:
+def apply_tensor_parallel_once(
+    module: nn.Module, meshes: ParallelMeshes, config: ShardConfig, engine: Engine
+) -> None:
     """``tensor_parallel_size > 1``: the layers split over the tensor-parallel mesh before FSDP2 shards over the
     data-parallel one (torch's 2-D order); a meta module is split before anything is allocated. Once per
-    module (a later Trainer call finds it split)."""
+    module (a later Trainer call finds it split). Nothing where the engine splits the layers itself, inside its
+    wrap (DeepSpeed's AutoTP: ``Capabilities.tensor_parallel``)."""
     tp_mesh = meshes.tensor_parallel
-    if tp_mesh is None or getattr(module, _TP_APPLIED, False):
+    if (
+        tp_mesh is None
+        or getattr(module, _TP_APPLIED, False)
+        or engine.capabilities.tensor_parallel != "torch"
+    ):
         return
     experts_whole = meshes.dims.ep_enabled  # replicated over tp: expert parallelism holds them
     plan = apply_tensor_parallel(module, tp_mesh, config.tensor_parallel_plan, experts_whole)
