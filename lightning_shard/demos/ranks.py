@@ -62,6 +62,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def reserved_port() -> socket.socket:
+    """A socket bound (not listening) to a free port, held for as long as a job's store may need the port.
+
+    :func:`free_port` releases its port at once, and a job started at the same moment (another test, another
+    benchmark) may be handed the same one before rank 0's store listens on it: its ranks then join the other
+    job's store and mix their collectives. While this socket is open the system hands the port to no one else;
+    rank 0's store still binds it, both sockets allowing address reuse and this one never listening."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    return sock
+
+
 def _entry(
     rank: int,
     fn: Callable[..., Any],
@@ -100,8 +113,9 @@ def _entry(
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned processes; return each rank's result."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
+    reservation = reserved_port()
+    port = reservation.getsockname()[1]
+    with reservation, tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
             args=(fn, world_size, port, out_dir, dict(os.environ), args, kwargs),
