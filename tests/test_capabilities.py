@@ -54,16 +54,14 @@ def test_fsdp_leaves_stage_auto_to_the_resolved_stage():
 
 
 def test_deepspeed_refuses_what_it_does_not_declare_and_quotes_the_flags_as_given():
-    flags = ShardFlags(stage=3, skip_nonfinite=True, fp8=True, pipeline_parallel_size=2)
+    flags = ShardFlags(stage=3, skip_nonfinite=True, pipeline_parallel_size=2)
     config = ShardConfig.from_flags(**{**vars(flags), "engine": "deepspeed"})
     found = refusals(config, DEEPSPEED, flags)
     assert [m.split(")")[0] for m in found] == [
         "ShardStrategy(skip_nonfinite=True",
-        "ShardStrategy(fp8=True",
         "ShardStrategy(pipeline_parallel_size=2",
     ]
     assert "(chosen for engine='auto', offload_optimizer=None, offload_params=None)" in found[0]
-    assert "fp8=Fp8Settings" in refusals(config, DEEPSPEED)[1]  # without the flags: the config's own values
     full = ShardConfig.from_flags(engine="deepspeed", stage=2, checkpoint="full")
     assert refusals(full, DEEPSPEED)[0].startswith(
         "ShardStrategy(checkpoint='full') is not available with the DeepSpeed engine, which writes its own"

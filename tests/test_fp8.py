@@ -45,6 +45,8 @@ def test_flag_forms():
     assert settings.torchao_config().pad_inner_dim  # type: ignore[union-attr]
     assert ShardStrategy(stage=3, fp8="tensorwise").config.fp8 is not None
     assert configure(stage=3, fp8=True, tensor_parallel_size=2).fp8.all_gather  # type: ignore[union-attr]
+    # DeepSpeed gathers the converted weights in their own dtype: the float8 gather's default is off there
+    assert not configure(stage=3, fp8=True, engine="deepspeed").fp8.all_gather  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,10 @@ def test_flag_forms():
         ({"fp8": 3}, "must be True, 'tensorwise', 'rowwise' or a dict"),
         ({"fp8": {"recipes": "rowwise"}}, r"has \['recipes'\], which are not fp8 options"),
         ({"fp8": "blockwise"}, "recipe 'blockwise' is unknown"),
-        ({"fp8": True, "engine": "deepspeed"}, "not available with the DeepSpeed engine.*engine='fsdp'"),
+        (
+            {"fp8": {"enable_fsdp_float8_all_gather": True}, "engine": "deepspeed", "stage": 3},
+            "asks for float8 all-gathers, which are FSDP2's.*Drop enable_fsdp_float8_all_gather, or use engine='fsdp'",
+        ),
         (
             {"fp8": {"precompute_scales": False}, "tensor_parallel_size": 2},
             "tensor_parallel_size=2\\): the float8 all-gather without precompute_scales",

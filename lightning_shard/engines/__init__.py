@@ -15,6 +15,7 @@ refuses what the chosen engine does not declare.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,9 @@ def configure(ddp_kwargs: dict[str, Any] | None = None, **given: Any) -> ShardCo
     caps = choose(flags)
     config = ShardConfig.from_flags(ddp_kwargs, **{**given, "engine": caps.name})
     check(config, caps, flags)
+    if config.fp8 is not None and config.fp8.all_gather and not caps.fp8_all_gather:
+        # on by default at stages 2-3 (FSDP2's float8 gathers); an engine without them keeps the weights plain
+        config = dataclasses.replace(config, fp8=dataclasses.replace(config.fp8, all_gather=False))
     return config
 
 

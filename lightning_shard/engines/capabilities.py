@@ -63,6 +63,9 @@ class Capabilities:
     ``WeightAveraging``, ``StochasticWeightAveraging``)."""
     module_state_after_load: bool
     """After a load, the module's own ``state_dict()`` is the loaded model state (Lightning's hooks read it)."""
+    fp8_all_gather: bool = True
+    """It gathers sharded weights in float8 (torchao's ``enable_fsdp_float8_all_gather``: FSDP2 at stages 2-3);
+    without it the converted layers' weights stay plain tensors, gathered as the engine gathers any other."""
     tensor_parallel: str = "torch"
     """Who splits the layers at ``tensor_parallel_size > 1``: ``"torch"`` (the core's ``parallelize_module``
     on the mesh's ``tp`` dimension, before the engine's wrap) or ``"engine"`` (the engine, inside its wrap:
@@ -260,13 +263,22 @@ def _expert_parallel(config: ShardConfig, caps: Capabilities) -> str | None:
 
 
 def _fp8(config: ShardConfig, caps: Capabilities, given: Any) -> str | None:
-    if config.fp8 is None or caps.fp8:
+    if config.fp8 is None:
         return None
-    return (
-        f"ShardStrategy(fp8={given.fp8!r}) is not available with the {caps.label} engine (chosen by engine= or by"
-        " NVMe / optimizer-only CPU offload): its fp8 path is not wired to this flag, and its ZeRO-3 gathers"
-        " cannot carry torchao's float8 weights. Use engine='fsdp' (offload_params='cpu' works there)."
-    )
+    if not caps.fp8:
+        return (
+            f"ShardStrategy(fp8={given.fp8!r}) is not available with the {caps.label} engine (chosen by engine= or"
+            " by NVMe / optimizer-only CPU offload): its fp8 path is not wired to this flag. Use engine='fsdp'"
+            " (offload_params='cpu' works there)."
+        )
+    asked = isinstance(given.fp8, dict) and given.fp8.get("enable_fsdp_float8_all_gather")
+    if asked and not caps.fp8_all_gather:
+        return (
+            f"ShardStrategy(fp8={given.fp8!r}) asks for float8 all-gathers, which are FSDP2's: the {caps.label}"
+            " engine gathers the converted layers' weights as it gathers any other (in the weights' own dtype)."
+            " Drop enable_fsdp_float8_all_gather, or use engine='fsdp'."
+        )
+    return None
 
 
 def _compression(config: ShardConfig, caps: Capabilities, given: Any) -> list[str | None]:
