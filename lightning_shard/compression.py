@@ -161,7 +161,16 @@ class PowerSGDHook:
         if index not in self.layouts:
             self._assemble(state, index, layout, bucket.buffer())
         self.layouts[index] = layout
-        return powerSGD_hook(state, bucket)
+        future = powerSGD_hook(state, bucket)
+        if not future.done():
+            # torch's hook issues its P and Q all-reduces from callbacks of the previous all-reduce's future.
+            # Where that future completes later on a worker thread (gloo), the callbacks would issue them
+            # there while this thread goes on to the next bucket's all-reduce: the order of the collectives
+            # would then depend on timing and differ between ranks (gloo: "Received data size doesn't
+            # match expected size"). Finishing each bucket here keeps one order on every rank. (NCCL's
+            # futures complete at once: the callbacks have run, in this thread, before the hook returns.)
+            future.wait()
+        return future
 
     def named_state(self, state: Any) -> dict[str, dict[str, Tensor]]:
         """``{"error" | "p" | "q": {parameter name: tensor}}`` of every bucket, plus what waits to be put back."""

@@ -99,3 +99,45 @@ def test_powersgd_state_resumes_from_a_sharded_checkpoint(ranks):
     for rank in ranks:
         assert len(rank["resumed"]) == STEPS - EPOCH
         torch.testing.assert_close(rank["resumed"], rank["powersgd"][EPOCH:], rtol=1e-6, atol=0)
+
+
+def _lagging_rank_fit() -> list[int]:
+    """PowerSGD over several buckets while rank 1 starts each bucket's first all-reduce late (as a loaded machine
+    may make it): the sizes of the all-reduces this rank issued, in order."""
+    import sys
+    import time
+
+    from lightning_shard.demos import GPTModule
+    from tests.helpers import trainer_kwargs as kwargs
+
+    sizes: list[int] = []
+    original = dist.all_reduce
+
+    def lagging(tensor: Any, *args: Any, **kw: Any) -> Any:
+        if dist.get_rank() == 1 and sys._getframe(1).f_code.co_name == "powerSGD_hook":
+            time.sleep(0.2)
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kw)
+
+    dist.all_reduce = lagging  # type: ignore[assignment]
+    try:
+        trainer = L.Trainer(
+            devices=2,
+            strategy=ShardStrategy(stage=1, gradient_compression=POWERSGD, bucket_cap_mb=0.05),
+            **kwargs(max_steps=4),
+        )
+        model = GPTModule(vocab_size=64, seq_len=16, d_model=64, n_layers=2, n_heads=2)
+        tokens = torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+    return sizes
+
+
+def test_powersgd_issues_one_collective_order_on_every_rank():
+    # torch's hook issues its P and Q all-reduces from future callbacks; on gloo those ran on a worker thread
+    # while the main thread went on to the next bucket, and a lagging rank reordered them (gloo aborted:
+    # "Received data size doesn't match expected size").
+    first, second = run_ranks(_lagging_rank_fit, world_size=2)
+    assert first == second
