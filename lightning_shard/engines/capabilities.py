@@ -70,6 +70,8 @@ class Capabilities:
     """Who splits the layers at ``tensor_parallel_size > 1``: ``"torch"`` (the core's ``parallelize_module``
     on the mesh's ``tp`` dimension, before the engine's wrap) or ``"engine"`` (the engine, inside its wrap:
     DeepSpeed's AutoTP)."""
+    absent_because: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Why a dimension absent from :attr:`dims` is (the refusal's reason, measured on the engine's library)."""
     requires: tuple[tuple[str, str], ...] = ()
     """``(package, message)``: an importable package it needs, and the refusal when it is missing."""
 
@@ -174,11 +176,12 @@ def _layout(config: ShardConfig, caps: Capabilities) -> list[str | None]:
         if size > 1 and dim not in caps.dims
     ]
     if absent:
+        flag = absent[0].split("=")[0]
+        reason = caps.absent_because.get({"tensor_parallel_size": "tp", "replicate_size": "replicate"}[flag])
         return [
             f"ShardStrategy({absent[0]}) is not available with the {caps.label} engine (chosen by engine= or by"
-            " NVMe / optimizer-only CPU offload). Use engine='fsdp': FSDP2 composes with torch tensor parallelism"
-            " and runs HSDP (offload_params='cpu' works there); DeepSpeed's hierarchical partitioning (ZeRO++ hpZ,"
-            " MiCS) is not wired to replicate_size."
+            " NVMe / optimizer-only CPU offload)" + (f": {reason}" if reason else "") + ". Use engine='fsdp':"
+            " FSDP2 composes with torch tensor parallelism and runs HSDP (offload_params='cpu' works there)."
         ]
     if stage == "auto":  # checked again once resolved (ShardStrategy.setup)
         return []

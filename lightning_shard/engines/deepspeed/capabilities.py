@@ -24,6 +24,14 @@ DEEPSPEED = Capabilities(
     averaging_stages=frozenset(),
     module_state_after_load=False,  # it loads its own files, apart from Lightning's entries
     tensor_parallel="engine",  # AutoTP, inside deepspeed.initialize
+    absent_because={
+        "replicate": (
+            "DeepSpeed removed MiCS, its sharding within a group and replication across groups (0.19 refuses"
+            " zero_optimization.mics_shard_size), and ZeRO++'s hpZ (zero_hpz_partition_size) keeps only a second"
+            " copy of the weights within a node while the optimizer state stays sharded over every rank, which"
+            " is not replicate_size's layout"
+        ),
+    },
     requires=(("deepspeed", offload.DEEPSPEED_MISSING),),
 )
 
