@@ -150,7 +150,9 @@ def test_the_lighthouse_command_serves_until_sigterm():
         check_reachable(FaultTolerance(0, 2, f"http://localhost:{port}"), wait=5)
     finally:
         process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        # its subject is the exit code after SIGTERM; on a loaded machine the shutdown and the interpreter's
+        # exit have taken over 10 s
+        deadline = time.monotonic() + 60
         while process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
     assert process.returncode == 0
