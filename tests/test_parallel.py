@@ -202,3 +202,41 @@ def test_hugging_face_vocabulary_ends_stay_whole():
     config.base_model_tp_plan = {"layers.*.mlp.up_proj": "local_colwise"}
     with pytest.raises(ValueError, match="carries the style 'local_colwise'.*Pass tensor_parallel_plan="):
         carried_plan(holder)
+
+
+@pytest.mark.deepspeed
+def test_a_model_autotp_split_nothing_of_is_refused_naming_the_fix():
+    from lightning_shard.engines.deepspeed.tensor_parallel import check_split
+
+    with pytest.raises(
+        ValueError, match=r"AutoTP split no layer of Sequential.*engine='fsdp' with tensor_parallel_plan"
+    ):
+        check_split(nn.Sequential(nn.Linear(4, 4)), 2)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(
+    ("files", "sizes"),
+    [
+        # ZeRO-3 on 2 data-parallel ranks without tensor parallelism: one model-state file per rank, all mp_rank_00
+        (["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], (1, 0)),
+        (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], (2, 0)),  # stage 0, AutoTP over 2
+        (
+            [f"zero_pp_rank_{d}_mp_rank_0{t}_{kind}" for d in (0, 1) for t in (0, 1)
+             for kind in ("model_states.pt", "optim_states.pt")],
+            (2, 2),
+        ),  # ZeRO-3, TP2 x DP2
+    ],
+)  # fmt: skip
+def test_a_deepspeed_checkpoints_tensor_parallel_ranks_are_its_distinct_mp_ranks(tmp_path, files, sizes):
+    from lightning_shard.checkpoint import DEEPSPEED_TAG
+    from lightning_shard.engines.deepspeed.tensor_parallel import check_resume, saved_sizes
+
+    (tmp_path / DEEPSPEED_TAG).mkdir()
+    for name in files:
+        (tmp_path / DEEPSPEED_TAG / name).touch()
+    tp = sizes[0]
+    assert saved_sizes(tmp_path)[0] == tp
+    check_resume(tmp_path, tp, sizes[1] or 2)  # the layout it was written with resumes
+    with pytest.raises(ValueError, match="resumes with the same tensor_parallel_size"):
+        check_resume(tmp_path, 2 if tp == 1 else 1, 2)
