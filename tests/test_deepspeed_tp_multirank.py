@@ -183,3 +183,33 @@ def test_autotp_resumes_on_its_layout_and_refuses_another(tmp_path):
         run_ranks(_save_resume, str(tmp_path / "other"), str(ckpt), 1)
     with pytest.raises(ValueError, match=r"tensor parallelism \(AutoTP, 2 tensor-parallel ranks\)"):
         load_model_weights(ckpt)
+
+
+def _tp2_dp2() -> dict[str, Any]:
+    # 4 ranks, batch 4 each: the tensor-parallel pairs (0, 1) and (2, 3) read one batch each, 8 rows a step.
+    losses, probe = _fit(4, ShardStrategy(engine="deepspeed", stage=1, tensor_parallel_size=TP), "sgd", CLIP)
+    return {"losses": losses, "local": probe.local, "weights": probe.weights}
+
+
+def test_autotp_two_by_two_follows_one_process():
+    """TP2 x DP2 on 4 ranks at ZeRO-1: DeepSpeed's data-parallel groups are ``ParallelDims``' (ranks 0 and 2, 1
+    and 3), so the two tensor-parallel pairs read the two halves of the rows one process reads at each step
+    (Lightning's sampler over 2 data-parallel ranks: step k's rows are the one-rank sampler's 8k..8k+7), and the
+    weights end as that process's. (A sampler sized by the world, 4, hands a pair's two ranks different rows:
+    the engine's first-step check refuses that, naming the fix.)"""
+    ref_losses, ref_weights = _reference("sgd", CLIP)
+    results = run_ranks(_tp2_dp2, world_size=4)
+    for rank, got in enumerate(results):
+        assert got["local"]["q_proj"] == ("LinearLayer", (HIDDEN // TP, HIDDEN)), rank
+        for name, weight in ref_weights.items():
+            torch.testing.assert_close(
+                got["weights"][name],
+                weight,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, r=rank, n=name: f"{r} {n}: {m}",
+            )
+        # the logged loss is the mean over every rank's rows: the one process's over the 8 rows
+        torch.testing.assert_close(
+            got["losses"], ref_losses, rtol=1e-5, atol=0, msg=lambda m, r=rank: f"{r}: {m}"
+        )
