@@ -240,3 +240,17 @@ def test_a_deepspeed_checkpoints_tensor_parallel_ranks_are_its_distinct_mp_ranks
     check_resume(tmp_path, tp, sizes[1] or 2)  # the layout it was written with resumes
     with pytest.raises(ValueError, match="resumes with the same tensor_parallel_size"):
         check_resume(tmp_path, 2 if tp == 1 else 1, 2)
+
+
+def test_readers_of_whole_weights_refuse_a_deepspeed_checkpoint_with_autotp_slices(tmp_path):
+    # `lightning-shard export` / consolidate read DeepSpeed checkpoints through ZeroReader; each mp_rank file of an
+    # AutoTP checkpoint holds its own slices, which it would take as whole layers.
+    from lightning_shard.checkpoint import DEEPSPEED_TAG
+    from lightning_shard.checkpoint._errors import CheckpointLoadError
+    from lightning_shard.checkpoint._zero_reader import ZeroReader
+
+    (tmp_path / DEEPSPEED_TAG).mkdir()
+    for t in (0, 1):
+        (tmp_path / DEEPSPEED_TAG / f"mp_rank_0{t}_model_states.pt").touch()
+    with pytest.raises(CheckpointLoadError, match=r"tensor parallelism \(AutoTP, 2 tensor-parallel ranks\)"):
+        ZeroReader(tmp_path, weights_only=True)

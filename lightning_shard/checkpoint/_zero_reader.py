@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+import lightning_shard.checkpoint._errors as errors
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._pickles import DEEPSPEED_GLOBALS, check_deepspeed_pickles
 from lightning_shard.checkpoint.layout import DEEPSPEED_EXPERTS, DEEPSPEED_TAG, expert_blocks_file
@@ -63,6 +64,30 @@ class _Entry:
     pieces: tuple[_Piece, ...]
 
 
+def deepspeed_tensor_parallel_ranks(tag: Path) -> int:
+    """How many tensor-parallel ranks (AutoTP) wrote DeepSpeed's tag folder ``tag``: the distinct ``mp_rank_NN``
+    of its model-state files (ZeRO-3 writes one ``zero_pp_rank_R_mp_rank_NN_model_states.pt`` per data-parallel
+    rank, all ``mp_rank_00`` without tensor parallelism)."""
+    names = (
+        re.search(r"mp_rank_(\d+)_model_states\.pt$", p.name) for p in tag.glob("*mp_rank_*_model_states.pt")
+    )
+    return len({match.group(1) for match in names if match is not None})
+
+
+def refuse_tensor_parallel(path: Path) -> None:
+    """Raise unless the DeepSpeed checkpoint ``path`` holds whole layers: with tensor parallelism (AutoTP) each
+    ``mp_rank`` file holds its own slices, which DeepSpeed's ``zero_to_fp32`` and this reader would take as whole."""
+    split = deepspeed_tensor_parallel_ranks(path / DEEPSPEED_TAG)
+    if split > 1:
+        raise errors.CheckpointLoadError(
+            f"Checkpoint {str(path)!r} was written by DeepSpeed with tensor parallelism (AutoTP, {split}"
+            " tensor-parallel ranks): its layers are split across its mp_rank files, which this reader does not"
+            " join. Resume it with the same layout (ShardStrategy(engine='deepspeed',"
+            f" tensor_parallel_size={split}) on as many ranks), or train with engine='fsdp', whose checkpoints"
+            " consolidate at any tensor_parallel_size."
+        )
+
+
 class ZeroReader:
     """One DeepSpeed checkpoint directory (the one holding ``checkpoint/``), indexed for per-parameter reads."""
 
@@ -70,6 +95,7 @@ class ZeroReader:
         self.path = path
         self.weights_only = weights_only
         folder = path / DEEPSPEED_TAG
+        refuse_tensor_parallel(path)
         self._model_files = _natural(folder.glob("*_model_states.pt"))
         self._optim_files = _natural(folder.glob("*_optim_states.pt"))
         if weights_only is not False:  # the scan names a refused global and the opt-in, before any load

@@ -9,7 +9,6 @@ DeepSpeed's files, which their libraries unpickle without it).
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 import lightning_shard.checkpoint._errors as errors
 import lightning_shard.checkpoint._torch_files as torch_files
 from lightning_shard.checkpoint._pickles import check_deepspeed_pickles
-from lightning_shard.checkpoint._zero_reader import ZeroReader
+from lightning_shard.checkpoint._zero_reader import (
+    ZeroReader,
+    refuse_tensor_parallel,
+)
 from lightning_shard.checkpoint.layout import (
     DEEPSPEED_EXPERTS,
     DEEPSPEED_TAG,
@@ -117,26 +119,8 @@ def deepspeed_model_states(path: Path, weights_only: bool | None = False) -> dic
     return torch.load(states, map_location="cpu", weights_only=False)
 
 
-def deepspeed_tensor_parallel_ranks(tag: Path) -> int:
-    """How many tensor-parallel ranks (AutoTP) wrote DeepSpeed's tag folder ``tag``: the distinct ``mp_rank_NN``
-    of its model-state files (ZeRO-3 writes one ``zero_pp_rank_R_mp_rank_NN_model_states.pt`` per data-parallel
-    rank, all ``mp_rank_00`` without tensor parallelism)."""
-    names = (
-        re.search(r"mp_rank_(\d+)_model_states\.pt$", p.name) for p in tag.glob("*mp_rank_*_model_states.pt")
-    )
-    return len({match.group(1) for match in names if match is not None})
-
-
 def _deepspeed_weights(path: Path, weights_only: bool | None) -> dict[str, torch.Tensor]:
-    split = deepspeed_tensor_parallel_ranks(path / DEEPSPEED_TAG)
-    if split > 1:  # AutoTP: each mp_rank file holds its own slices, which zero_to_fp32 would take as whole
-        raise errors.CheckpointLoadError(
-            f"Checkpoint {str(path)!r} was written by DeepSpeed with tensor parallelism (AutoTP, {split}"
-            " tensor-parallel ranks): its layers are split across its mp_rank files, which this reader does not"
-            " join. Resume it with the same layout (ShardStrategy(engine='deepspeed',"
-            f" tensor_parallel_size={split}) on as many ranks), or train with engine='fsdp', whose checkpoints"
-            " consolidate at any tensor_parallel_size."
-        )
+    refuse_tensor_parallel(path)
     states = deepspeed_model_states(path, weights_only)
     if states.get("param_shapes") is None:  # stage 0: no ZeRO partitions, the module is saved whole
         return {key: value.detach().float().clone() for key, value in states["module"].items()}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.checkpoint import DEEPSPEED_TAG
-from lightning_shard.checkpoint.weights import deepspeed_tensor_parallel_ranks
+from lightning_shard.checkpoint._zero_reader import deepspeed_tensor_parallel_ranks
 from lightning_shard.engines.base import RunContext
 
 
