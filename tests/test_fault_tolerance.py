@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_shard import ShardStrategy
 from lightning_shard.demos.ranks import free_port, run_ranks
@@ -156,3 +157,35 @@ def test_the_lighthouse_command_serves_until_sigterm():
         while process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
     assert process.returncode == 0
+
+
+def test_a_backward_that_raised_after_queuing_the_cross_group_mean_leaves_the_next_its_own(monkeypatch):
+    from lightning_shard.fault_tolerance import _across
+
+    means: list[int] = []
+    monkeypatch.setattr(_across, "average_gradients", lambda manager, module: means.append(1))
+    across = _across.AcrossGroups(None, torch.nn.Linear(2, 2), lambda seconds: None)
+    fail = [True]
+
+    class EarlierUnit(torch.autograd.Function):  # a unit nearer the inputs, whose backward runs after
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if fail[0]:
+                raise RuntimeError("an earlier unit's backward failed")
+            return grad
+
+    def step() -> None:
+        h = EarlierUnit.apply(torch.ones(2, requires_grad=True))
+        h.register_hook(lambda grad: across.shard_reduced(grad))  # where FSDP2 calls its all-reduce hook
+        (h * 2).sum().backward()
+
+    with pytest.raises(RuntimeError, match="earlier unit"):
+        step()  # the mean was queued, then the backward failed: autograd drops what was queued
+    assert means == []
+    fail[0] = False
+    step()  # the next backward queues its own mean, which runs
+    assert means == [1]

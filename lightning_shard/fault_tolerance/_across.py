@@ -41,7 +41,9 @@ class AcrossGroups:
         """``manager``: torchft's; ``waited(seconds)`` is told how long each cross-group mean took; ``within``:
         DDP's own hook (stages 0-1)."""
         self.manager, self.within, self.module, self.waited = manager, within, module, waited
-        self._queued = False
+        #: The backward (autograd's graph task id) whose mean is queued: a backward that raised after queuing it
+        #: never ran it, and the next one queues its own.
+        self._queued: int | None = None
         self.__name__ = self.__qualname__ = "fault_tolerant_allreduce_hook"  # DDP reads and logs the name
 
     def __call__(self, group, bucket):  # type: ignore[no-untyped-def]  # (no annotations: DDP checks them)
@@ -54,8 +56,9 @@ class AcrossGroups:
         """FSDP2's all-reduce hook (``set_all_reduce_hook``), called with each unit's reduce-scattered shard in a
         backward that syncs. FSDP2 queued its end-of-backward callback (which assigns the last units' shards
         to the gradients) at the backward's start: queued from here, the mean runs after it."""
-        if not self._queued:
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if self._queued != task:
+            self._queued = task
             Variable._execution_engine.queue_callback(self.across)
 
     def _after_ddp(self) -> None:
@@ -64,7 +67,7 @@ class AcrossGroups:
         Variable._execution_engine.queue_callback(self.across)
 
     def across(self) -> None:
-        self._queued = False
+        self._queued = None
         started = time.perf_counter()
         average_gradients(self.manager, self.module)
         self.waited(time.perf_counter() - started)
