@@ -163,3 +163,9 @@ def test_one_check_names_the_sizes_that_divide_in_the_callers_spelling():
             flag=lambda name, value: f"--{name.replace('_', '-')} {value}",
             error=PlanInputError,
         )
+
+
+@pytest.mark.parametrize("world", [0, -2, 1.5, True])
+def test_a_world_without_a_rank_is_refused_before_any_coordinate(world):
+    with pytest.raises(ValueError, match=r"the world size is .*: a layout needs at least one rank"):
+        ParallelDims.for_world(world)

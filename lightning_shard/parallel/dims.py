@@ -84,6 +84,8 @@ class ParallelDims:
         """The layout of ``world_size`` ranks, or an ``error`` naming the flag that does not divide it (the
         only check of what divides what: the strategy's, the planner's and the CLI's, ``flag`` spelling a
         flag as their user typed it)."""
+        if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
+            raise error(f"{world} is {world_size!r}: a layout needs at least one rank (a whole number >= 1).")
         check_pipeline_world(world_size, pipeline_parallel_size, flag, world, error)
         stage_world = world_size // pipeline_parallel_size
         check_world(stage_world, replicate_size, tensor_parallel_size, flag, world, error)
