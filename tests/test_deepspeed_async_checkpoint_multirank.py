@@ -27,6 +27,7 @@ pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed]
 
 STEPS = 6
+LOAD_AT = 2
 RESUME_AT = 3  # an epoch is 3 steps (24 samples, 2 ranks, batches of 4): resumed at its end
 DISK_DELAY_S = 0.1  # per DeepSpeed file: a slow disk, so a write outlasts a training step
 
@@ -49,6 +50,18 @@ class _StepTimes(L.Callback):
         self._start = now
 
 
+class _LoadJustSaved(L.Callback):
+    """Loads the checkpoint step ``LOAD_AT`` has just saved, before the next step: an async save is still being
+    written then, so the load has to wait for it (every run does the same, so their files stay comparable)."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        self.ckpt_dir = ckpt_dir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == LOAD_AT:
+            trainer.strategy.load_checkpoint(self.ckpt_dir / f"epoch=0-step={LOAD_AT}.ckpt")
+
+
 def _tensors(value, out: list[torch.Tensor]) -> list[torch.Tensor]:
     if torch.is_tensor(value):
         out.append(value.detach().clone())
@@ -66,7 +79,11 @@ def _fit(stage: int, async_checkpoint: bool, ckpt_dir: Path, steps: int, resume:
     trainer = L.Trainer(
         devices=2,
         strategy=ShardStrategy(stage=stage, engine="deepspeed", async_checkpoint=async_checkpoint),
-        callbacks=[times, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)],
+        callbacks=[
+            times,
+            _LoadJustSaved(ckpt_dir),
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1),
+        ],
         **trainer_kwargs(max_steps=steps, enable_checkpointing=True),
     )
     trainer.fit(tiny_gpt(), loader(4, n=24), ckpt_path=resume)
