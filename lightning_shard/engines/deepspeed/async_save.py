@@ -8,9 +8,11 @@ the ranks agree on a process group of their own that every file is on disk and r
 ``NAME`` (:mod:`lightning_shard.checkpoint._commit`, as every other checkpoint).
 
 Staging: on the host the state is deep-copied (``Tensor.__deepcopy__`` copies each storage whole and keeps the
-views that share one sharing it, so the copy pickles to the same bytes); elsewhere, or where the state holds an
+views that share one sharing it; tensors keep their ``requires_grad`` and attributes, so the copy pickles to the
+same bytes); elsewhere, or where the state holds an
 object that cannot be copied, it is serialized into host memory at once (the device-to-host copy a save needs
-anyway) and only the bytes are written later.
+anyway) and only the bytes are written later: the same bytes but for the zip's inner folder, torch's ``archive/``
+in place of the file's name, which ``torch.load`` reads alike.
 
 Why not DeepSpeed's ``DecoupledCheckpointEngine``: it writes from a spawned process (it sets the ``spawn`` start
 method for the whole program and moves the state's storages into shared memory, the live optimizer state
