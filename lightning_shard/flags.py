@@ -114,8 +114,9 @@ class ShardFlags:
     )
     async_checkpoint: bool = _flag(
         False,
-        "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``).",
-        "engines/fsdp/checkpoint.py, engines/capabilities.py",
+        "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``; under DeepSpeed,"
+        " its own files from a host copy).",
+        "engines/fsdp/checkpoint.py, engines/deepspeed/async_save.py, engines/capabilities.py",
     )
     skip_nonfinite: bool = _flag(
         False,

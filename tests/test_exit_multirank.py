@@ -87,7 +87,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _engine_args(engine: str) -> list[str]:
-    return ["--engine", engine, "--stage", "3"] + (["--async-checkpoint"] if engine == "fsdp" else [])
+    return ["--engine", engine, "--stage", "3", "--async-checkpoint"]
 
 
 #: 4 steps per epoch, a checkpoint at each epoch's end: a resume from one is exact (Lightning resumes a plain
@@ -218,7 +218,7 @@ def test_fit_fit_again_and_test_in_one_process_exit_zero_with_groups_alive_betwe
     sigterm_runs, engine
 ):
     # The job that resumes the SIGTERM test's exception checkpoint: fit (2 steps), fit again (2 more), test,
-    # checkpoints after every step (the FSDP engine's asynchronous), collectives after fit and after test.
+    # asynchronous checkpoints after every step, collectives after fit and after test.
     run = sigterm_runs[engine].result()
     assert run.step is not None, f"no job resumed: the SIGTERM run failed\n{run.sigterm_out[-3000:]}"
     rc, out, step = run.resumed_rc, run.resumed_out, run.step

@@ -163,14 +163,6 @@ def test_offload_registered_names(name, kwargs):
     )
 
 
-@pytest.mark.deepspeed
-def test_deepspeed_strategy_rejects_async_checkpoint():
-    with pytest.raises(
-        ValueError, match=r"async_checkpoint=True\) is not available with the DeepSpeed engine"
-    ):
-        ShardStrategy(stage=3, engine="deepspeed", async_checkpoint=True)
-
-
 def test_deepspeed_engine_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"cannot run precision='bf16-true'"):
         make_engine("deepspeed", 3, ShardPrecision("bf16-true"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_shard import checkpoint as ckpt
@@ -22,15 +23,34 @@ from lightning_shard.checkpoint.storage import Location, Remote
 from lightning_shard.checkpoint.weights import deepspeed_model_states
 from lightning_shard.engines.base import RunContext
 from lightning_shard.engines.deepspeed import experts, tensor_parallel, whole_matrix
+from lightning_shard.engines.deepspeed.async_save import DeepSpeedAsyncWriter
 
 TAG = ckpt.DEEPSPEED_TAG
 
 
-def save(model: nn.Module, checkpoint: dict[str, Any], path: Location, run: RunContext, split: bool) -> None:
+def async_writer(config: Any, run: RunContext) -> DeepSpeedAsyncWriter | None:
+    """``async_checkpoint=True``: DeepSpeed's files written in the background (:mod:`.async_save`), with a gloo group
+    of their own for the commit's agreement, made at the first save."""
+    if not config.async_checkpoint:
+        return None
+    on_host = torch.device(run.device).type == "cpu"
+    return DeepSpeedAsyncWriter(run.is_global_zero, on_host, config.timeout)
+
+
+def save(
+    model: nn.Module,
+    checkpoint: dict[str, Any],
+    path: Location,
+    run: RunContext,
+    split: bool,
+    writer: DeepSpeedAsyncWriter | None = None,
+) -> None:
     """DeepSpeed's per-rank checkpoint of ``model`` (DeepSpeed's engine) with Lightning's entries as its client
     state; ``split``: the expert blocks are in param groups of their own (:class:`.experts.ExpertGroups`).
 
-    DeepSpeed writes synchronously and never links one checkpoint to another: an exception's save is the same."""
+    DeepSpeed never links one checkpoint to another: an exception's save is the same. With ``writer`` (and
+    DeepSpeed's engine: in fit) its files are written in the background and committed when complete; to an object
+    store, synchronously."""
     checkpoint.pop("state_dict", None)  # DeepSpeed writes model and optimizer state itself
     checkpoint.pop("optimizer_states", None)
 
@@ -43,16 +63,29 @@ def save(model: nn.Module, checkpoint: dict[str, Any], path: Location, run: RunC
             whole_matrix.save(model, tmp)
 
     if isinstance(path, Remote):  # DeepSpeed writes local files only
+        if writer is not None:
+            writer.wait()  # one checkpoint in flight at a time, the background one first
         write_staged(path, write, run.is_global_zero, run.barrier)
+    elif writer is not None and not writer.closed and hasattr(model, "checkpoint_engine"):
+        writer.save(model, write, path, run.barrier)
     else:
         ckpt.write_committed(path, write, run.is_global_zero, run.barrier)
 
 
 def load(
-    model: nn.Module, path: Location, weights_only: bool | None, run: RunContext, mixed: bool, split: bool
+    model: nn.Module,
+    path: Location,
+    weights_only: bool | None,
+    run: RunContext,
+    mixed: bool,
+    split: bool,
+    writer: DeepSpeedAsyncWriter | None = None,
 ) -> dict[str, Any]:
     """Resume ``model`` (DeepSpeed's engine, or the bare module outside ``fit``) from ``path``; Lightning's
-    entries returned. ``mixed``: the precision keeps low-precision weights; ``split`` as in :func:`save`."""
+    entries returned. ``mixed``: the precision keeps low-precision weights; ``split`` as in :func:`save`; a save
+    ``writer`` still has in flight is committed first."""
+    if writer is not None:
+        writer.wait()
     if isinstance(path, Remote):  # DeepSpeed reads local files only
         with downloaded(path) as local:
             return _load_local(model, local, weights_only, run, mixed, split)

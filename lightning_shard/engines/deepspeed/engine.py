@@ -18,6 +18,7 @@ done by DeepSpeed from the Trainer's flags. DeepSpeed ZeRO-2/3 reduce gradients 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,6 +82,7 @@ class DeepSpeedEngine(Engine):
         self.compiles_zero3_leaves = self.stage == 3
         self._backwards = 0  # backward calls since the last optimizer step
         self._expert_groups: experts.ExpertGroups | None = None  # expert parallelism's param groups
+        self.async_writer = checkpoints.async_writer(config, run)  # async_checkpoint=True
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -210,13 +212,24 @@ class DeepSpeedEngine(Engine):
         path: Location,
         exception: bool = False,
     ) -> None:
-        checkpoints.save(model, checkpoint, path, self.run, split=self._expert_groups is not None)
+        split = self._expert_groups is not None
+        checkpoints.save(model, checkpoint, path, self.run, split, self.async_writer)
 
     def load_checkpoint(
         self, model: nn.Module, optimizers: list[Optimizer], path: Location, weights_only: bool | None = None
     ) -> dict[str, Any]:
         mixed, split = self.precision.is_mixed, self._expert_groups is not None
-        return checkpoints.load(model, path, weights_only, self.run, mixed, split)
+        return checkpoints.load(model, path, weights_only, self.run, mixed, split, self.async_writer)
+
+    def remove_checkpoint(self, path: Location) -> None:
+        if self.async_writer is not None and isinstance(path, Path):
+            self.async_writer.remove(path)  # deferred while a save is pending
+        else:
+            super().remove_checkpoint(path)
+
+    def wait_for_checkpoints(self) -> None:
+        if self.async_writer is not None:
+            self.async_writer.wait()
 
     def model_state_dict(self, model: nn.Module, full: bool) -> dict[str, Any]:
         return {}  # DeepSpeed writes model and optimizer state itself, per rank
@@ -252,7 +265,11 @@ class DeepSpeedEngine(Engine):
         return held
 
     def teardown(self) -> None:
-        offload.clear(self.config, self.run)
+        try:
+            if self.async_writer is not None:
+                self.async_writer.close()
+        finally:
+            offload.clear(self.config, self.run)
 
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):
