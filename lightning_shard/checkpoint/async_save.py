@@ -39,6 +39,15 @@ log = logging.getLogger(__name__)
 class AsyncCheckpointError(RuntimeError):
     """A background checkpoint write failed."""
 
+    @classmethod
+    def of(cls, path: Any, last_committed: Any, error: BaseException) -> AsyncCheckpointError:
+        """The error for ``path``'s failed write, naming the checkpoint left intact (both engines' writers)."""
+        return cls(
+            f"Writing checkpoint {str(path)!r} in the background failed: {error!r}. The previous checkpoint"
+            f" ({str(last_committed) if last_committed else 'none'}) is intact; check free space and"
+            " permissions of the checkpoint directory."
+        )
+
 
 class AsyncCheckpointer:
     """At most one background save in flight; commits, aliases and deferred removals after it."""
@@ -128,11 +137,7 @@ class AsyncCheckpointer:
         error, self._error = self._error, None
         if error is not None:
             path, self._path = self._path, None
-            raise AsyncCheckpointError(
-                f"Writing checkpoint {str(path)!r} in the background failed: {error!r}. The previous checkpoint"
-                f" ({str(self.last_committed) if self.last_committed else 'none'}) is intact; check free space and"
-                " permissions of the checkpoint directory."
-            ) from error
+            raise AsyncCheckpointError.of(path, self.last_committed, error) from error
 
     def remove(self, path: Location) -> None:
         """Remove a checkpoint, or defer that until the pending save has committed."""

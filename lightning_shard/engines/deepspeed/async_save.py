@@ -187,11 +187,7 @@ class DeepSpeedAsyncWriter:
         try:
             future.result()
         except BaseException as error:
-            raise AsyncCheckpointError(
-                f"Writing checkpoint {str(self._path)!r} in the background failed: {error!r}. The previous"
-                f" checkpoint ({str(self.last_committed) if self.last_committed else 'none'}) is intact; check free"
-                " space and permissions of the checkpoint directory."
-            ) from error
+            raise AsyncCheckpointError.of(self._path, self.last_committed, error) from error
 
     def remove(self, path: Path) -> None:
         """Remove a checkpoint, or defer that until the pending save has committed."""
