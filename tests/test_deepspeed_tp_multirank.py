@@ -124,6 +124,13 @@ def _ranks() -> list[dict[str, Any]]:
     return out
 
 
+def _same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+    for name, weight in expected.items():
+        torch.testing.assert_close(
+            got[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{where}, {n}: {m}"
+        )
+
+
 def test_autotp_every_stage_follows_one_process():
     references = [_reference(optimizer, clip) for _, optimizer, clip in CASES]
     results = run_ranks(_ranks, world_size=TP)
@@ -142,14 +149,7 @@ def test_autotp_every_stage_follows_one_process():
                 "o_proj": ("LinearAllreduce", (HIDDEN, HIDDEN // TP)),
             }, where
             assert got["weights"].keys() == ref_weights.keys(), where
-            for name, weight in ref_weights.items():
-                torch.testing.assert_close(
-                    got["weights"][name],
-                    weight,
-                    rtol=1e-5,
-                    atol=1e-6,
-                    msg=lambda m, w=where, n=name: f"{w}, {n}: {m}",
-                )
+            _same_weights(got["weights"], ref_weights, where)
 
 
 def _save_resume(folder: str, resume: str | None, tensor_parallel_size: int = TP) -> list[float]:
@@ -201,14 +201,7 @@ def test_autotp_two_by_two_follows_one_process():
     results = run_ranks(_tp2_dp2, world_size=4)
     for rank, got in enumerate(results):
         assert got["local"]["q_proj"] == ("LinearLayer", (HIDDEN // TP, HIDDEN)), rank
-        for name, weight in ref_weights.items():
-            torch.testing.assert_close(
-                got["weights"][name],
-                weight,
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, r=rank, n=name: f"{r} {n}: {m}",
-            )
+        _same_weights(got["weights"], ref_weights, f"rank {rank}")
         # the logged loss is the mean over every rank's rows: the one process's over the 8 rows
         torch.testing.assert_close(
             got["losses"], ref_losses, rtol=1e-5, atol=0, msg=lambda m, r=rank: f"{r}: {m}"
