@@ -77,24 +77,29 @@ class AcrossGroups:
 CHUNK_BYTES = 25 * 1024 * 1024
 
 
+def chunked(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``tensors`` in flat all-reduce chunks: in order, one dtype and device each, at most
+    :data:`CHUNK_BYTES` (a larger tensor alone)."""
+    chunks: list[list[int]] = []
+    open_chunk: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    for i, t in enumerate(tensors):
+        key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        held = open_chunk.get(key)
+        if held is None or 0 < held[1] and held[1] + nbytes > CHUNK_BYTES:
+            held = ([], 0)
+            chunks.append(held[0])
+        held[0].append(i)
+        open_chunk[key] = (held[0], held[1] + nbytes)
+    return chunks
+
+
 def average_gradients(manager: Any, module: nn.Module) -> None:
     """Each gradient of ``module``'s trainable parameters (this rank's shard of a DTensor's) averaged over the
     participating groups, in parameter order, in chunks of at most 25 MB per dtype. A parameter without a
     gradient counts as zeros and gets the mean where another group had one (DDP's rule for an unused
     parameter), else stays without."""
     params = [p for p in module.parameters() if p.requires_grad]
-    chunks: list[list[nn.Parameter]] = []
-    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    open_chunk: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        key = (p.dtype, p.device)
-        nbytes = _local(p).numel() * p.element_size()
-        if key not in open_chunk or 0 < sizes[key] and sizes[key] + nbytes > CHUNK_BYTES:
-            open_chunk[key] = []
-            chunks.append(open_chunk[key])
-            sizes[key] = 0
-        open_chunk[key].append(p)
-        sizes[key] += nbytes
+    chunks = [[params[i] for i in chunk] for chunk in chunked([_local(p) for p in params])]
     pending = []
     for chunk in chunks:
         # [sum of numels + one presence flag per parameter]

@@ -29,7 +29,7 @@ from torch.optim import SGD
 
 from lightning_shard._dtensor import laid_out_as
 from lightning_shard._dtensor import local as _local
-from lightning_shard.fault_tolerance._across import CHUNK_BYTES
+from lightning_shard.fault_tolerance._across import chunked
 from lightning_shard.fault_tolerance.semi_sync import SemiSync
 
 
@@ -120,16 +120,7 @@ class OuterSync:
     def _mean_across(self, tensors: list[torch.Tensor]) -> None:
         """Each of ``tensors`` replaced by its mean over the participating groups, in flat chunks of at most
         25 MB per dtype and device (a few large all-reduces)."""
-        chunks: list[list[int]] = []
-        open_chunk: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
-        for i, t in enumerate(tensors):
-            key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
-            held = open_chunk.get(key)
-            if held is None or 0 < held[1] and held[1] + nbytes > CHUNK_BYTES:
-                held = ([], 0)
-                chunks.append(held[0])
-            held[0].append(i)
-            open_chunk[key] = (held[0], held[1] + nbytes)
+        chunks = chunked(tensors)
         pending = []
         for chunk in chunks:
             flat = torch.cat([tensors[i].reshape(-1) for i in chunk])  # [sum of the chunk's numels]

@@ -196,10 +196,8 @@ class ReplicaGroups:
             if not self.outer.backup:  # else restored from a checkpoint
                 self.outer.snapshot()
             self.outer.sync_next = False
-        started = time.perf_counter()
-        self._writes = self._quorum()
-        self._waited["quorum"] += time.perf_counter() - started
-        self._quorum_ready, self._commits = True, None
+        self.join_sync()
+        self._commits = None
         if self.outer is not None and not (self.healed is not None and self.outer.sync_next):
             # A fit's first quorum serves no sync, unless this group healed from a peer at a sync's quorum (its
             # next step is that sync's): closed here, so a group that starts later is behind and heals. The
@@ -325,7 +323,7 @@ class ReplicaGroups:
         return None
 
     def join_sync(self) -> None:
-        """Join the quorum a sync uses (healing first if this group is behind)."""
+        """Join a quorum (healing first if this group is behind): the next step's, or the one a sync uses."""
         started = time.perf_counter()
         self._writes = self._quorum()
         self._waited["quorum"] += time.perf_counter() - started
