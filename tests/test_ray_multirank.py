@@ -10,6 +10,8 @@ Ray runs in its own process: Ray and pytest's forked ranks do not mix.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +40,35 @@ DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ray")
-    run = subprocess.run(
+    run = subprocess.Popen(
         [sys.executable, str(JOB), "--root", str(root)],
         cwd=root,
         env=job_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=540,
+        start_new_session=True,  # a timeout stops the job with the Ray cluster it started
     )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    try:
+        out, _ = run.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        out, _ = run.communicate()
+        pytest.fail(f"the Ray job ran over 540 s; its output:\n{out[-3000:]}\n{_ray_logs()}")
+    assert run.returncode == 0, out[-4000:] + _ray_logs()
     return root
+
+
+def _ray_logs(tail: int = 1500) -> str:
+    """The end of the newest Ray session's controller and worker logs: where a run that did not end stood."""
+    logs = Path("/tmp/ray/session_latest/logs")
+    found = sorted(
+        [*logs.glob("train/ray-train-sys-controller-*.log"), *logs.glob("worker-*.err")],
+        key=lambda path: path.stat().st_mtime,
+    )
+    return "".join(
+        f"\n--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}" for path in found[-6:]
+    )
 
 
 def _part(root: Path, part: str) -> dict[str, Any]:

@@ -160,6 +160,9 @@ def run_lighthouse(min_replicas: int, port: int, join_timeout_ms: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"Lighthouse at {server.address()} (min_replicas={min_replicas})", flush=True)
-    stop.wait()
+    # Python runs a handler in the main thread once that thread wakes; the signal itself may land on one of the
+    # server's threads, which wakes nothing: wait in slices, so the handler runs within one.
+    while not stop.wait(0.5):
+        pass
     server.shutdown()
     return 0

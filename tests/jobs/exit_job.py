@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -42,10 +43,12 @@ class JobModule(GPTModule):
         self.hang_rank, self.hang_step, self.step_sleep = hang_rank, hang_step, step_sleep
         self.die_rank, self.die_step = die_rank, die_step
         self.sleep_first_attempt = sleep_first_attempt
+        self.checkpoint_every, self.checkpoint_dir = 0, None  # set by main() where it checkpoints
 
     def training_step(self, batch, batch_idx):  # type: ignore[override]
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if self.global_rank == self.die_rank and self.global_step == self.die_step and first_attempt:
+            self._wait_for_committed_checkpoint()
             print(f"rank {self.global_rank} dies at step {self.global_step}", flush=True)
             os._exit(1)
         if self.global_rank == self.hang_rank and self.global_step == self.hang_step:
@@ -56,6 +59,18 @@ class JobModule(GPTModule):
         if self.step_sleep and (first_attempt or not self.sleep_first_attempt):
             time.sleep(self.step_sleep)
         return super().training_step(batch, batch_idx)
+
+    def _wait_for_committed_checkpoint(self, limit: float = 120.0) -> None:
+        """Die only once the last checkpoint due is committed: a background write still running when a rank
+        dies fails (its collectives lose a peer) and leaves nothing to resume from, as it should; the restart
+        under test needs one. On a loaded machine the write of step 4 can outlast step 7."""
+        every, folder = self.checkpoint_every, self.checkpoint_dir
+        if not every or folder is None or self.die_step < every:
+            return
+        due = f"*-step={self.die_step // every * every}.ckpt"  # renamed into place when committed
+        deadline = time.monotonic() + limit
+        while not list(Path(folder).glob(due)) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def on_train_start(self) -> None:
         print(
@@ -182,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         args.die_step,
         args.sleep_first_attempt,
     )
+    if args.every:
+        model.checkpoint_every, model.checkpoint_dir = args.every, ckpt_dir
     data = TextDataModule(seq_len=32, batch_size=4, n_sentences=400)
     trainer.fit(model, data, ckpt_path=args.resume)
     import torch.distributed as dist

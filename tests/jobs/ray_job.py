@@ -197,6 +197,7 @@ def _run(
     root: Path, part: str, workers: int, max_failures: int = 0, storage: str | None = None, **config: Any
 ) -> Any:
     started = time.perf_counter()
+    print(f"{part}: {workers} workers, {config['names']}", flush=True)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"out": str(root / part), **config},
@@ -219,6 +220,7 @@ def _run(
             for c, m in result.best_checkpoints
         ]
     summary = {"error": error, "checkpoints": checkpoints, "seconds": time.perf_counter() - started}
+    print(f"{part}: {summary['seconds']:.0f} s, error {error}", flush=True)  # where a job that ran over stood
     (root / f"{part}.json").write_text(json.dumps(summary))
     return summary
 
