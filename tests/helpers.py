@@ -180,6 +180,18 @@ def tiny_llama_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
     """A Hugging Face Llama small enough for CPU tests (tied input / output embedding)."""
     import transformers
 
+    return tiny_config(transformers.LlamaConfig, vocab_size, **overrides)
+
+
+def tiny_qwen2_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
+    """A Hugging Face Qwen2 of the tiny Llama's sizes: its own defaults otherwise (q/k/v biases, dropout, cache)."""
+    import transformers
+
+    return tiny_config(transformers.Qwen2Config, vocab_size, **overrides)
+
+
+def tiny_config(config_class: Any, vocab_size: int = VOCAB, **overrides: Any) -> Any:
+    """``config_class`` (a Hugging Face decoder's config) at sizes small enough for CPU tests, tied embeddings."""
     kwargs: dict[str, Any] = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -189,7 +201,7 @@ def tiny_llama_config(vocab_size: int = VOCAB, **overrides: Any) -> Any:
         vocab_size=vocab_size,
         tie_word_embeddings=True,
     )
-    return transformers.LlamaConfig(**(kwargs | overrides))
+    return config_class(**(kwargs | overrides))
 
 
 #: The Hugging Face mixture-of-experts families expert parallelism splits through their own plan.
@@ -259,21 +271,18 @@ def tiny_moe(family: str, experts: int = 4, top_k: int = 2, vocab_size: int = VO
 
 
 class CausalLM(L.LightningModule):
-    """A Hugging Face causal LM held as ``self.model`` (its file keys lack the ``model.`` prefix), trained
-    with plain SGD (lr 0.5, gradient-scale sensitive) or AdamW; built in ``configure_model`` on request."""
+    """A Hugging Face causal LM of ``config``'s family (``LlamaForCausalLM`` for a ``LlamaConfig``) held as
+    ``self.model`` (its file keys lack the ``model.`` prefix), trained with plain SGD (lr 0.5, gradient-scale
+    sensitive) or AdamW; built in ``configure_model`` on request."""
 
     def __init__(self, config: Any, optimizer: str = "sgd", build_in_configure_model: bool = False) -> None:
         super().__init__()
-        import transformers
-
         self.config, self.optimizer_name = config, optimizer
-        self.model: Any = None if build_in_configure_model else transformers.LlamaForCausalLM(config)
+        self.model: Any = None if build_in_configure_model else _causal_lm(config)
 
     def configure_model(self) -> None:
         if self.model is None:
-            import transformers
-
-            self.model = transformers.LlamaForCausalLM(self.config)
+            self.model = _causal_lm(self.config)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -284,6 +293,12 @@ class CausalLM(L.LightningModule):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.5)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _causal_lm(config: Any) -> Any:
+    import transformers
+
+    return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
 
 
 def job_env(pythonpath: bool = True) -> dict[str, str]:

@@ -2,7 +2,8 @@
 2 ranks with ``ShardStrategy(engine="deepspeed", stage=0..3, tensor_parallel_size=2)`` follows one process that reads
 the same rows (the whole tensor-parallel group reads one batch: Lightning's injected sampler, sized by
 ``ParallelDims``), step by step and to the final weights (fp32, SGD and AdamW, clipping on); a checkpoint resumes on
-the same layout, and a different layout is refused."""
+the same layout, and a different layout is refused. A tiny Qwen2 (q/k/v biases, split with their columns) follows
+``DDPStrategy`` on the same 2 ranks and rows."""
 
 from __future__ import annotations
 
@@ -12,13 +13,22 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_shard import ShardStrategy
 from lightning_shard.checkpoint import load_model_weights
 from lightning_shard.demos.ranks import run_ranks
-from tests.helpers import SEQ, CausalLM, LossRecorder, tiny_llama_config, token_dataset, trainer_kwargs
+from tests.helpers import (
+    SEQ,
+    CausalLM,
+    LossRecorder,
+    tiny_llama_config,
+    tiny_qwen2_config,
+    token_dataset,
+    trainer_kwargs,
+)
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
@@ -53,8 +63,8 @@ class Model(CausalLM):
 
 
 class Probe(L.Callback):
-    """How q_proj / o_proj are held at the start (each rank's slice), and every full weight at the end (ZeRO-3's
-    partitions gathered, then AutoTP's slices)."""
+    """How q_proj / o_proj are held at the start (each rank's slice, their biases' where they have one), and every
+    full weight at the end (ZeRO-3's partitions gathered, then AutoTP's slices)."""
 
     def __init__(self) -> None:
         self.local: dict[str, Any] = {}
@@ -64,13 +74,16 @@ class Probe(L.Callback):
         attention = pl_module.model.model.layers[0].self_attn
         for name in ("q_proj", "o_proj"):
             layer = getattr(attention, name)
-            self.local[name] = (
-                type(layer).__name__,
-                tuple(getattr(layer.weight, "ds_shape", layer.weight.shape)),
-            )
+            self.local[name] = (type(layer).__name__, _local_shape(layer.weight))
+            if layer.bias is not None:
+                self.local[f"{name}.bias"] = _local_shape(layer.bias)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.weights = gathered(pl_module)
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -89,7 +102,15 @@ def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fit(devices: int, strategy: Any, optimizer: str, clip: float | None) -> tuple[list[float], Probe]:
+def _fit(
+    devices: int,
+    strategy: Any,
+    optimizer: str,
+    clip: float | None,
+    config: Any = None,
+    data_parallel: int | None = None,
+) -> tuple[list[float], Probe]:
+    """``BATCH`` rows a step over ``data_parallel`` ranks (default: ``devices / TP``); the tiny Llama by default."""
     recorder, probe = LossRecorder(), Probe()
     trainer = L.Trainer(
         devices=devices,
@@ -99,10 +120,10 @@ def _fit(devices: int, strategy: Any, optimizer: str, clip: float | None) -> tup
         **trainer_kwargs(max_steps=3, gradient_clip_val=clip, use_distributed_sampler=devices > 1),
     )
     torch.manual_seed(0)
-    model = Model(tiny_llama_config(max_position_embeddings=SEQ), optimizer)
+    model = Model(config or tiny_llama_config(max_position_embeddings=SEQ), optimizer)
     dataset = token_dataset()
     if devices > 1:
-        data = DataLoader(dataset, batch_size=BATCH * TP // devices)
+        data = DataLoader(dataset, batch_size=BATCH // (data_parallel or devices // TP))
     else:  # what one tensor-parallel group reads: Lightning's sampler (shuffled, seed 0) over one data rank
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
         data = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -206,3 +227,44 @@ def test_autotp_two_by_two_follows_one_process():
         torch.testing.assert_close(
             got["losses"], ref_losses, rtol=1e-5, atol=0, msg=lambda m, r=rank: f"{r}: {m}"
         )
+
+
+def _qwen2() -> dict[str, Any]:
+    """AutoTP at ZeRO-1, then DDP, on the same 2 ranks: DDP's ranks read 4 rows each, the two halves of the 8 the
+    tensor-parallel pair reads together (Lightning's sampler over 2 ranks, and over 1)."""
+    config = tiny_qwen2_config(max_position_embeddings=SEQ)
+    strategy = ShardStrategy(engine="deepspeed", stage=1, tensor_parallel_size=TP)
+    tp_losses, tp = _fit(TP, strategy, "sgd", None, config)
+    ddp_losses, ddp = _fit(TP, DDPStrategy(), "sgd", None, config, data_parallel=TP)
+    return {"tp": (tp_losses, tp.local, tp.weights), "ddp": (ddp_losses, ddp.weights)}
+
+
+def test_autotp_qwen2_follows_ddp():
+    """Qwen2's q/k/v carry biases: AutoTP splits each with its layer's output columns. Plain SGD without clipping,
+    so a gradient off by a factor (a bias slice reduced over the tensor-parallel pair, or not reduced where it
+    must be) moves the losses and the weights."""
+    for rank, got in enumerate(run_ranks(_qwen2, world_size=TP)):
+        (losses, local, weights), (ddp_losses, ddp_weights) = got["tp"], got["ddp"]
+        assert len(ddp_losses) == 3
+        torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=0, msg=lambda m, r=rank: f"{r}: {m}")
+        assert local == {
+            "q_proj": ("LinearLayer", (HIDDEN // TP, HIDDEN)),
+            "q_proj.bias": (HIDDEN // TP,),
+            "o_proj": ("LinearAllreduce", (HIDDEN, HIDDEN // TP)),
+        }, rank
+        assert weights.keys() == ddp_weights.keys() and any(k.endswith("v_proj.bias") for k in weights), rank
+        _same_weights(weights, ddp_weights, f"rank {rank}, Qwen2 against DDP")
+
+
+def _autotp_then_without() -> tuple[list[float], list[float]]:
+    tp_losses, _ = _fit(TP, ShardStrategy(engine="deepspeed", stage=1, tensor_parallel_size=TP), "sgd", None)
+    dp_losses, _ = _fit(TP, ShardStrategy(engine="deepspeed", stage=1), "sgd", None, data_parallel=TP)
+    return tp_losses, dp_losses
+
+
+def test_autotp_leaves_no_groups_for_the_next_run():
+    """DeepSpeed keeps AutoTP's groups at module level; once the Trainer is done with them they are dropped, so a
+    later run in the same processes without tensor parallelism sets up (and reads the same rows as data-parallel
+    ranks: the same losses)."""
+    for rank, (tp_losses, dp_losses) in enumerate(run_ranks(_autotp_then_without, world_size=TP)):
+        torch.testing.assert_close(dp_losses, tp_losses, rtol=1e-5, atol=0, msg=lambda m, r=rank: f"{r}: {m}")

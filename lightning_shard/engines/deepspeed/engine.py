@@ -270,6 +270,8 @@ class DeepSpeedEngine(Engine):
                 self.async_writer.close()
         finally:
             offload.clear(self.config, self.run)
+            if self.run.dims.tp > 1:
+                tensor_parallel.release()
 
     def load_full_weights(self, module: nn.Module, path: str) -> None:
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):

@@ -109,6 +109,27 @@ def _digest(tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
+def release() -> None:
+    """Drop the tensor- and data-parallel groups DeepSpeed keeps at module level once AutoTP made them: the next
+    ``deepspeed.initialize`` in this process (another Trainer call) would take them up again, and one without
+    AutoTP fails in DeepSpeed's set-up (its module-level ``groups.mpu`` still says 2 tensor-parallel ranks while
+    the new engine has no ``mpu``). The groups themselves are destroyed with the others this run made."""
+    from deepspeed.utils import groups  # optional: DeepSpeed
+
+    drop = getattr(groups, "_release_process_group_references", None)  # DeepSpeed 0.19
+    if drop is not None:
+        drop(None)
+        return
+    for name in (
+        "_TENSOR_MODEL_PARALLEL_GROUP",
+        "_MODEL_PARALLEL_GROUP",
+        "_DATA_PARALLEL_GROUP",
+        "mesh_device",
+        "mpu",
+    ):
+        setattr(groups, name, None)
+
+
 def saved_sizes(folder: Path) -> tuple[int, int]:
     """``(tensor-parallel ranks, data-parallel ranks)`` a DeepSpeed checkpoint was written with (``0``
     data-parallel ranks: no ZeRO partitions, stage 0)."""
@@ -141,5 +162,6 @@ __all__ = [
     "check_split",
     "config_section",
     "guard_inputs",
+    "release",
     "saved_sizes",
 ]
