@@ -109,19 +109,27 @@ def test_bench_activation_checkpointing_smoke(tmp_path):
 
 @pytest.mark.multirank
 def test_bench_engines_smoke(tmp_path):
-    # The FSDP side only: a DeepSpeed run costs its engine's start-up; the ratio is the full run's (docs/benchmarks.md).
+    # One stage row's FSDP side (a DeepSpeed stage run costs its engine's start-up; the ratios are the full runs',
+    # docs/benchmarks.md) and the 2-rank tensor-parallel row's both sides, in the one pair of processes.
     out = tmp_path / "engines.json"
-    run = run_benchmark(
-        "bench_engines.py", "--smoke", "--only", "fsdp_stage2", "--profile", "--out", str(out)
-    )
+    only = ("fsdp_stage2", "fsdp_tp2", "deepspeed_tp2")
+    run = run_benchmark("bench_engines.py", "--smoke", "--only", *only, "--profile", "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["median_step_ms"]) == {"fsdp_stage2"} and report["median_step_ms"]["fsdp_stage2"] > 0
-    assert report["fsdp_over_deepspeed"] == {}
+    assert set(report["median_step_ms"]) == set(only) and min(report["median_step_ms"].values()) > 0
+    assert set(report["fsdp_over_deepspeed"]) == {"tp2"} and report["fsdp_over_deepspeed"]["tp2"] > 0
     # A chrome trace, and the ops behind the step in the JSON.
     assert json.loads((tmp_path / "traces" / "fsdp_stage2.json").read_text())["traceEvents"]
     ops = report["profiles"]["fsdp_stage2"]
     assert ops[0]["self_cpu_ms_per_step"] > 0
+    # Every layout row names what its refusing side would have run and why; the 4-rank rows were not run.
+    layouts = report["layouts"]
+    assert layouts["tp2"]["deepspeed"]["median_step_ms"] > 0
+    assert layouts["tp2_dp2"]["fsdp"]["median_step_ms"] is None
+    assert "ZeroRedundancyOptimizer does not take tensor-parallel" in layouts["tp2"]["refused"]["message"]
+    hsdp = layouts["hsdp"]["refused"]
+    assert hsdp["flags"]["replicate_size"] == 2 and hsdp["reason"] in hsdp["message"]
+    assert hsdp["reason"].startswith("DeepSpeed removed MiCS")
 
 
 @pytest.mark.multirank
