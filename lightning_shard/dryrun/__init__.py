@@ -15,7 +15,7 @@ docs/dryrun.md. Modules:
 ``report``           :class:`RankReport`, its JSON and table
 ``run``              :func:`dryrun`, the checks before anything is built
 ``checkpoint_plan``  a sharded checkpoint's DCP metadata and reads for every rank, from metadata only
-``reshard``          :func:`reshard`: which files each rank of another layout reads from a checkpoint
+``resharding``       :func:`reshard`: which files each rank of another layout reads from a checkpoint
 ``command``          ``lightning-shard dryrun``
 ===================  ======================================================================
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning_shard.dryrun.models import PUBLISHED
 from lightning_shard.dryrun.report import RankReport, table
-from lightning_shard.dryrun.reshard import RankRead, ReshardPlan, reshard, reshard_table
+from lightning_shard.dryrun.resharding import RankRead, ReshardPlan, reshard, reshard_table
 from lightning_shard.dryrun.run import check_layout, dryrun, model_sizes
 from lightning_shard.dryrun.world import default_ranks
 
