@@ -120,7 +120,19 @@ def test_a_loading_rank_reads_the_overlap_of_its_rows_with_each_saving_rank_s(pl
     for name, got in read.files.items():
         assert got.bytes == expected.get(name, 0) + extra.get(name, 0), (read.rank, name)
         assert got.chunk_bytes >= got.bytes
-    assert read.bytes == sum(expected.values()) + sum(extra.values())
+    assert read.bytes == sum(expected.values()) + sum(extra.values()) == read.needed_bytes + read.object_bytes
+
+
+def test_a_pipelined_tensor_parallel_save_read_by_a_tensor_parallel_layout_reads_each_element_once():
+    """PP2 x TP2 x ZeRO-3 over 16 ranks, read by TP4 x ZeRO-3 over 8: every loading rank keeps exactly what its
+    own shards hold (each element found once among the saved chunks, none twice), from files of both stages."""
+    args = dict(vocab_size=251, seq_len=101, d_model=64, n_heads=4, n_layers=4)
+    saved = dict(stage=3, tensor_parallel_size=2, pipeline_parallel_size=2)
+    plan = reshard(GPT, saved, 16, dict(stage=3, tensor_parallel_size=4), 8, ranks=[0, 5], init_args=args)
+    for read in plan.ranks:
+        assert read.bytes == read.needed_bytes + read.object_bytes and read.needed_bytes > 0, read.rank
+        stages = {int(name[2:].split("_")[0]) >= 8 for name in read.files}  # pipeline stage 1 is ranks 8-15
+        assert stages == {False, True}, read.rank
 
 
 def test_the_plan_s_json_and_figures(plan):

@@ -56,11 +56,12 @@ def _job(path: str, flags: dict[str, Any], save: bool) -> dict[str, list[int]]:
         model = GPT(**ARGS)
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-    fabric.backward(model(torch.randint(0, ARGS["vocab_size"], (2, 16))).float().pow(2).mean())
-    optimizer.step()
-    if save:
+    if save:  # one step, so that the optimizer has state to save (a load lays out its own)
+        fabric.backward(model(torch.randint(0, ARGS["vocab_size"], (2, 16))).float().pow(2).mean())
+        optimizer.step()
         fabric.save(path, {"model": model, "optimizer": optimizer})
         return {}
+    # this rank's process only: the load's DCP reader, recording
     sharded.metadata_reader = lambda where, weights_only=None: RecordingReader(str(where))
     fabric.load(path, {"model": model, "optimizer": optimizer})
     files: dict[str, list[int]] = {}

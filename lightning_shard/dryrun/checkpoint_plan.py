@@ -159,6 +159,15 @@ class Layout:
             cache[key] = Chunk(torch.Size(offsets), torch.Size(sizes))
         return [cache[key]]
 
+    def needed_bytes(self, rank: int) -> int:
+        """The bytes of rank ``rank``'s own chunks (its objects left out: it reads the saved ones whole)."""
+        cache: dict[Any, Any] = {}
+        total = 0
+        for entry in self.stages[self.stage_of(rank)]:
+            if entry.kind != "bytes":
+                total += sum(math.prod(c.sizes) for c in self.chunks(entry, rank, cache)) * entry.itemsize
+        return total
+
 
 def _write_items(layout: Layout, rank: int, cache: dict[Any, Any]) -> Iterator[WriteItem]:
     """What ``create_default_local_save_plan`` lists for rank ``rank``, in the state dict's order. An item held
@@ -241,6 +250,12 @@ def read_items(
         elif isinstance(saved, TensorStorageMetadata):
             items += create_read_items_for_chunk_list(entry.key, saved, layout.chunks(entry, rank, cache))
     return items
+
+
+def object_bytes(items: list[ReadItem], metadata: Metadata) -> int:
+    """The saved objects among ``items``, whole."""
+    storage = metadata.storage_data
+    return sum(storage[item.storage_index].length for item in items if item.type == LoadItemType.BYTE_IO)
 
 
 def file_reads(items: list[ReadItem], metadata: Metadata) -> dict[str, FileRead]:

@@ -16,14 +16,21 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_shard.config import ShardConfig
-from lightning_shard.dryrun.checkpoint_plan import FileRead, Layout, file_reads, read_items, saved_metadata
+from lightning_shard.dryrun.checkpoint_plan import (
+    FileRead,
+    Layout,
+    file_reads,
+    object_bytes,
+    read_items,
+    saved_metadata,
+)
 from lightning_shard.dryrun.checkpoint_plan import stage_entries as _stage_entries
 from lightning_shard.dryrun.models import ModelSource, model_factory
 from lightning_shard.dryrun.run import (
@@ -48,6 +55,11 @@ class RankRead:
     coordinates: dict[str, int]
     files: dict[str, FileRead]
     """File name -> what the rank reads from it, in the order of the saving ranks."""
+    needed_bytes: int
+    """The bytes of the rank's own chunks: those it keeps are these and :attr:`object_bytes`, where the saved
+    chunks cover its own."""
+    object_bytes: int
+    """The saved objects it reads (the param groups' entries), whole."""
     seconds: float
 
     @property
@@ -64,7 +76,9 @@ class RankRead:
             "coordinates": self.coordinates,
             "bytes": self.bytes,
             "chunk_bytes": self.chunk_bytes,
-            "files": {name: read.__dict__ for name, read in self.files.items()},
+            "needed_bytes": self.needed_bytes,
+            "object_bytes": self.object_bytes,
+            "files": {name: asdict(read) for name, read in self.files.items()},
             "seconds": self.seconds,
         }
 
@@ -189,24 +203,23 @@ def reshard(
             raise _missing(sorted(set(missing)), save_world_size, load_world_size)
         files = file_reads(items, metadata)
         seconds = round(time.perf_counter() - begun, 3)
-        reads.append(RankRead(rank, load_dims.coordinates(rank), files, seconds))
+        needed, objects = loading.needed_bytes(rank), object_bytes(items, metadata)
+        reads.append(RankRead(rank, load_dims.coordinates(rank), files, needed, objects, seconds))
     saved = sum(info.length for info in metadata.storage_data.values())
     total = round(time.perf_counter() - start, 3)
     return ReshardPlan(save_world_size, load_world_size, metadata, saved, reads, total)
 
 
 def _files(names: list[str]) -> str:
-    """``__0_0.distcp`` .. ``__3_0.distcp`` as ``0-3``: the saving ranks whose files are read."""
-    numbers = [int(name[2:].split("_")[0]) for name in names if name.startswith("__")]
-    spans: list[str] = []
+    """``__0_0.distcp`` .. ``__3_0.distcp``, ``__7_0.distcp`` as ``0-3,7``: the saving ranks whose files are read."""
+    numbers = sorted(int(name[2:].split("_")[0]) for name in names if name.startswith("__"))
+    spans: list[list[int]] = []
     for n in numbers:
-        if spans and "-" in spans[-1] and int(spans[-1].split("-")[1]) == n - 1:
-            spans[-1] = f"{spans[-1].split('-')[0]}-{n}"
-        elif spans and "-" not in spans[-1] and int(spans[-1]) == n - 1:
-            spans[-1] = f"{spans[-1]}-{n}"
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
         else:
-            spans.append(str(n))
-    return ",".join(spans) or "-"
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "-"
 
 
 def reshard_table(plan: ReshardPlan) -> str:
