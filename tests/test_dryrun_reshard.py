@@ -226,3 +226,13 @@ def test_reshard_refuses_a_load_the_checkpoint_cannot_serve(monkeypatch):
         ValueError, match=r"needs 1 entries the checkpoint of 8 ranks lacks \(optimizer_0\.state\."
     ):
         reshard(GPT, dict(stage=3), 8, None, 4, ranks=[0], init_args=ARGS)
+
+
+def test_a_torch_without_the_private_planning_apis_fails_the_plan_only(monkeypatch):
+    from lightning_shard.dryrun import checkpoint_plan
+
+    monkeypatch.setattr(checkpoint_plan, "_MISSING", ImportError("no dedup_save_plans"))
+    with pytest.raises(
+        RuntimeError, match=r"the reshard plan needs torch's .*dedup_save_plans.*no dedup_save_plans"
+    ):
+        reshard(GPT, dict(stage=3), 8, None, 4, ranks=[0], init_args=ARGS)

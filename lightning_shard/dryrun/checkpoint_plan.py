@@ -27,13 +27,11 @@ import io
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -52,11 +50,30 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from lightning_shard.parallel import ParallelDims
 
+try:  # private torch APIs (docs/compatibility.md): a release without them fails the reshard plan, nothing else
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+except ImportError as error:  # pragma: no cover  (a release without them)
+    _MISSING: Exception | None = error
+else:
+    _MISSING = None
+
 Chunk = ChunkStorageMetadata
+_PRIVATE = (
+    "torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans, filesystem._StorageInfo,"
+    " tensor._utils._compute_local_shape_and_global_offset and DeviceMesh._layout / _rank_map"
+)
+
+
+def _unavailable(error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"the reshard plan needs torch's {_PRIVATE}, which this torch release does not have ({error}). It was"
+        " tested with torch 2.13."
+    )
 
 
 def shard_file(rank: int) -> str:
@@ -69,7 +86,7 @@ class Entry:
     """One entry of a stage's flattened state dict, as every rank of the stage holds it."""
 
     key: str
-    kind: str
+    kind: Literal["dtensor", "tensor", "bytes"]
     """``"dtensor"`` (a chunk per rank), ``"tensor"`` (whole on every rank of the stage), ``"bytes"`` (an object)."""
     size: torch.Size = torch.Size()
     properties: TensorProperties | None = None
@@ -88,16 +105,18 @@ class Entry:
 def _coordinates(value: DTensor, cache: dict[Any, dict[int, tuple[int, ...]]]) -> dict[int, tuple[int, ...]]:
     """Every rank of every group the DTensor's mesh stands for, with its coordinate in the group."""
     mesh = value.device_mesh
-    layout, rank_map = mesh._layout, mesh._rank_map
+    try:  # private torch API: the mesh's layout over the world's ranks gives every group it stands for
+        layout, rank_map = mesh._layout, mesh._rank_map
+    except AttributeError as error:  # pragma: no cover  (a release without them)
+        raise _unavailable(error) from error
     key = (str(layout), tuple(rank_map.tolist()))
     if key not in cache:
         groups = layout.remap_to_tensor(rank_map).reshape(-1, *mesh.shape)  # [groups, *mesh shape]
         found: dict[int, tuple[int, ...]] = {}
+        positions = torch.cartesian_prod(*(torch.arange(n) for n in mesh.shape)).reshape(-1, mesh.ndim)
+        coordinates = [tuple(int(i) for i in position) for position in positions]
         for group in groups:
-            for position in torch.cartesian_prod(*(torch.arange(n) for n in mesh.shape)).reshape(
-                -1, mesh.ndim
-            ):
-                coordinate = tuple(int(i) for i in position)
+            for coordinate in coordinates:
                 found[int(group[coordinate])] = coordinate
         cache[key] = found
     return cache[key]
@@ -106,6 +125,8 @@ def _coordinates(value: DTensor, cache: dict[Any, dict[int, tuple[int, ...]]]) -
 def stage_entries(state_dict: dict[str, Any]) -> tuple[list[Entry], dict[str, Any]]:
     """The entries of ``state_dict`` flattened as ``DefaultSavePlanner`` flattens it, and its key mappings (the
     metadata's ``planner_data``)."""
+    if _MISSING is not None:  # pragma: no cover  (a release without them)
+        raise _unavailable(_MISSING)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=False)
     cache: dict[Any, dict[int, tuple[int, ...]]] = {}
