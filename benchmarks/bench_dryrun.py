@@ -9,6 +9,11 @@ reason. Nothing is allocated: each rank is built on torch's fake process group w
 
     python benchmarks/bench_dryrun.py --out benchmarks/results/dryrun.json
     python benchmarks/bench_dryrun.py --smoke --out /tmp/dryrun.json        # one small model, 64 ranks
+    python benchmarks/bench_dryrun.py --reshard --models llama-3-8b --worlds 1024
+
+``--reshard`` adds, for each recommendation, its sharded checkpoint read by half the world with the same flags
+(``lightning_shard.dryrun.reshard``): the seconds the plan takes, and for the first and the last loading rank the
+files it opens, the bytes it keeps and the bytes of the saved chunks it touches.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from _common import write_report
 
-from lightning_shard.dryrun import PUBLISHED, dryrun
+from lightning_shard.dryrun import PUBLISHED, dryrun, reshard
 from lightning_shard.dryrun.models import build_model
 from lightning_shard.planner import plan
 from lightning_shard.units import format_bytes
@@ -29,7 +34,7 @@ DEVICE = "80GB"  # H100 80GB
 SEQ_LEN = 4096
 
 
-def _one(name: str, module: Any, world: int, ranks: str) -> dict[str, Any]:
+def _one(name: str, module: Any, world: int, ranks: str, reshard_too: bool = False) -> dict[str, Any]:
     start = time.perf_counter()
     result = plan(
         module=module,
@@ -57,6 +62,8 @@ def _one(name: str, module: Any, world: int, ranks: str) -> dict[str, Any]:
         reports = dryrun(module, flags, world, chosen, precision="bf16-mixed")
     except (ValueError, RuntimeError) as error:
         return {**row, "refused": str(error)}
+    if reshard_too:
+        row["reshard"] = _reshard(module, flags, world)
     row["ranks"] = [
         {
             "rank": r.rank,
@@ -77,6 +84,19 @@ def _one(name: str, module: Any, world: int, ranks: str) -> dict[str, Any]:
     return row
 
 
+def _reshard(module: Any, flags: dict[str, Any], world: int) -> dict[str, Any]:
+    """The recommendation's checkpoint read by ``world // 2`` ranks with the same flags."""
+    half = world // 2
+    try:
+        result = reshard(module, flags, world, flags, half, [0, half - 1], precision="bf16-mixed")
+    except (ValueError, RuntimeError) as error:
+        return {"load_world_size": half, "refused": str(error)}
+    document = result.to_dict()
+    for rank in document["ranks"]:
+        rank["files"] = len(rank["files"])
+    return document
+
+
 def _line(row: dict[str, Any]) -> list[str]:
     head = f"| {row['model']} | {row['world_size']} | `{row['strategy']}` |"
     if "refused" in row:
@@ -86,6 +106,16 @@ def _line(row: dict[str, Any]) -> list[str]:
         ours, theirs = format_bytes(r["model_state_bytes"]), format_bytes(r["planner_model_state_bytes"] or 0)
         diff = f"{r['difference_pct']:+.1f}%" if r["difference_pct"] is not None else "-"
         lines.append(f"{head} rank {r['rank']}: {ours} | {theirs} ({diff}) | {r['build_seconds']:.2f} s |")
+    plan = row.get("reshard")
+    if plan and "refused" not in plan:
+        reads = "; ".join(
+            f"rank {r['rank']}: {r['files']} files, {format_bytes(r['bytes'])} kept of"
+            f" {format_bytes(r['chunk_bytes'])} touched"
+            for r in plan["ranks"]
+        )
+        lines.append(f"{head} read by {plan['load_world_size']}: {reads} | | {plan['seconds']:.1f} s |")
+    elif plan:
+        lines.append(f"{head} read by {plan['load_world_size']}: refused: {plan['refused'][:120]} | | |")
     return lines
 
 
@@ -98,6 +128,9 @@ def main() -> None:
         "--ranks", choices=["ends", "default"], default="ends", help="first and last, or dryrun's"
     )
     parser.add_argument("--smoke", action="store_true", help="llama-3-8b on 64 ranks only")
+    parser.add_argument(
+        "--reshard", action="store_true", help="plan each checkpoint read by half the world too"
+    )
     args = parser.parse_args()
     models, worlds = (["llama-3-8b"], [64]) if args.smoke else (args.models, args.worlds)
     rows = []
@@ -106,7 +139,7 @@ def main() -> None:
         module = build_model(name)
         built = time.perf_counter() - start
         for world in worlds:
-            row = _one(name, module, world, args.ranks)
+            row = _one(name, module, world, args.ranks, args.reshard)
             row["model_build_seconds"] = round(built, 2)
             rows.append(row)
             print("\n".join(_line(row)), flush=True)

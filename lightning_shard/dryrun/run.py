@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_shard import _compat, engines
 from lightning_shard._modules import detect_block_classes, find_blocks
+from lightning_shard.checkpoint.layout import MODEL_KEY, optimizer_key
 from lightning_shard.config import ShardConfig
 from lightning_shard.core import transform
 from lightning_shard.core.process_groups import parallel_dims
@@ -63,7 +65,7 @@ def strategy_config(strategy: Any) -> ShardConfig:
     )
 
 
-def _policy(strategy: Any, precision: str | None, config: ShardConfig) -> PrecisionPolicy:
+def precision_policy(strategy: Any, precision: str | None, config: ShardConfig) -> PrecisionPolicy:
     plugin = getattr(strategy, "precision_plugin", None) or getattr(strategy, "_fabric_precision", None)
     given = getattr(plugin, "policy", None)
     base = (
@@ -112,11 +114,12 @@ def _unused_loss(output: Any, target: Any) -> Any:
     raise RuntimeError("a dry run runs no step")
 
 
-def dry_run_rank(
+@contextmanager
+def prepared_rank(
     build: Callable[[], nn.Module], config: ShardConfig, policy: PrecisionPolicy, rank: int, world_size: int
-) -> RankReport:
-    """Rank ``rank`` of ``world_size`` set up on the fake group (see the module's docstring)."""
-    start = time.perf_counter()
+) -> Generator[tuple[FakeWorld, nn.Module, Any, list[Any], str | None], None, None]:
+    """Rank ``rank`` of ``world_size`` set up on the fake group: ``(world, module, session, optimizers, note)``,
+    valid until the group is destroyed on the way out."""
     with fake_rank(rank, world_size):
         module = build()
         setattr(module, transform._WEIGHTS, NOT_READ)
@@ -139,28 +142,38 @@ def dry_run_rank(
                 f" fake process group with the model on the meta device: {type(error).__name__}: {error}"
             ) from error
         optimizers, note = step_on_shards(session, user_optimizers(module))
+        yield world, module, session, optimizers, note
+
+
+def dry_run_rank(
+    build: Callable[[], nn.Module], config: ShardConfig, policy: PrecisionPolicy, rank: int, world_size: int
+) -> RankReport:
+    """Rank ``rank`` of ``world_size`` set up on the fake group (see the module's docstring)."""
+    start = time.perf_counter()
+    with prepared_rank(build, config, policy, rank, world_size) as (world, module, session, optimizers, note):
         held = held_bytes(session.model, optimizers)
         files, written = checkpoint_writes(
-            _state_dict(session, optimizers), rank, world.dims.world_size // world.dims.pp
+            state_dict(session, optimizers), rank, world.dims.world_size // world.dims.pp
         )
-        report = _report(world, module, config, rank, held, files, written)
+        report = _report(world, module, world.config, rank, held, files, written)
         report["collective_bytes"] = collective_bytes(session.model, held, world.dims.data_parallel_size)
     seconds = time.perf_counter() - start
     notes = tuple(n for n in (note,) if n)
     return RankReport(**{**report, "build_seconds": round(seconds, 3), "notes": notes})
 
 
-def _state_dict(session: Any, optimizers: list[Any]) -> dict[str, Any]:
-    """What a sharded save writes: the engine's state dicts of the model and each optimizer, keyed by name."""
+def state_dict(session: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """What a sharded save writes: the engine's state dicts of the model and each optimizer, under the keys of
+    the package's sharded checkpoints (``state_dict``, ``optimizer_<i>``)."""
     engine, model = session.engine, session.model
     try:
-        state = {"model": engine.model_state_dict(model, full=False)}
+        state = {MODEL_KEY: engine.model_state_dict(model, full=False)}
     except NotImplementedError:
         # the engine copies the state to the host, which meta tensors cannot: the same entries, left in place
         options = StateDictOptions(full_state_dict=False, cpu_offload=False)
-        state = {"model": get_model_state_dict(model, options=options)}
+        state = {MODEL_KEY: get_model_state_dict(model, options=options)}
     for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = engine.optimizer_state_dict(model, optimizer, full=False)
+        state[optimizer_key(i)] = engine.optimizer_state_dict(model, optimizer, full=False)
     return state
 
 
@@ -208,6 +221,25 @@ def _report(
 _EXPERTS = "_lightning_shard_dryrun_experts"
 
 
+def checked_config(strategy: Any) -> ShardConfig:
+    """The flags of ``strategy`` (:func:`strategy_config`), refused where a dry run cannot build them."""
+    config = strategy_config(strategy)
+    if config.stage == "auto":
+        raise ValueError(
+            "dryrun() needs the ZeRO stage the job runs: ShardStrategy(stage='auto') is resolved from the device's"
+            " memory at set-up. Give stage=0, 1, 2 or 3 (lightning-shard plan recommends one)."
+        )
+    if engine_class(config.engine).capabilities.owns_step:
+        raise ValueError(
+            f"dryrun: ShardStrategy(engine={config.engine!r}) cannot be dry-run: that engine runs the optimizer step"
+            " itself and builds its state in its own initialize from allocated parameters (at stage 3 it refuses a"
+            " model on the meta device; at stages 0-2 it allocates the fp32 partitions and starts its own"
+            " communication backend), which a fake process group with the model on meta cannot give. Dry-run the"
+            " same layout with engine='fsdp'."
+        )
+    return config
+
+
 def dryrun(
     model: ModelSource,
     strategy: Any,
@@ -234,27 +266,14 @@ def dryrun(
 
     Raises ``ValueError`` before anything is built when the layout does not divide the world or the model.
     """
-    config = strategy_config(strategy)
-    if config.stage == "auto":
-        raise ValueError(
-            "dryrun() needs the ZeRO stage the job runs: ShardStrategy(stage='auto') is resolved from the device's"
-            " memory at set-up. Give stage=0, 1, 2 or 3 (lightning-shard plan recommends one)."
-        )
-    if engine_class(config.engine).capabilities.owns_step:
-        raise ValueError(
-            f"dryrun: ShardStrategy(engine={config.engine!r}) cannot be dry-run: that engine runs the optimizer step"
-            " itself and builds its state in its own initialize from allocated parameters (at stage 3 it refuses a"
-            " model on the meta device; at stages 0-2 it allocates the fp32 partitions and starts its own"
-            " communication backend), which a fake process group with the model on meta cannot give. Dry-run the"
-            " same layout with engine='fsdp'."
-        )
+    config = checked_config(strategy)
     first = model_factory(model, init_args)()
     dims = check_layout(config, world_size, first)
     chosen = default_ranks(dims) if ranks is None else sorted(set(ranks))
     bad = [r for r in chosen if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"dryrun(ranks={ranks}) names ranks outside the world of {world_size}: {bad}.")
-    policy = _policy(strategy, precision, config)
+    policy = precision_policy(strategy, precision, config)
     moe, _ = count_experts(first)
     experts = moe.experts if moe else 0
 
