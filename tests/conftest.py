@@ -94,6 +94,19 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min(cores // 2 + 2, 4)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker computes with its share of the cores: torch's default (a thread per core in each worker)
+    puts 2 threads per worker on each core here, which wait on each other (a tensor-parallel pair in one process
+    took seconds a step on a busy machine). ``-n 0`` keeps torch's default."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(workers)))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the package's and the tests' bytecode once, before any test: the suite starts a few hundred
     interpreters (launched jobs, torchrun agents, Ray workers) that would each compile them again where
