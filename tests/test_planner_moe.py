@@ -110,7 +110,8 @@ def test_expert_bytes_per_device_divide_by_e_at_stages_0_1_and_by_all_ranks_at_s
     one = _row(gpt, 1, e, micro_batch=None)
     assert one.expert_parameters == experts * 4 // e
     assert (one.parameters, one.gradients) == (4 * held, 4 * held)
-    assert one.optimizer == pytest.approx(total, rel=0.1)
+    largest = max(p.numel() for p in gpt.parameters())  # whole tensors: the busiest rank may hold one more
+    assert total <= one.optimizer <= total + 8 * largest + steps
     for stage in (2, 3):  # each rank's E / e experts sharded over the 8 / e ranks left: 1 / 8 of them
         row = _row(gpt, stage, e, micro_batch=None)
         assert row.expert_parameters == experts * 4 // 8

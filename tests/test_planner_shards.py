@@ -135,6 +135,18 @@ def test_a_layout_whose_worst_rank_does_not_fit_is_not_recommended():
     assert plan(module=module, device_memory=int(row.total / 0.9) + 10, **flags).stages[3].fits
 
 
+def test_stage_1_partitions_whole_tensors_as_the_job_does():
+    from lightning_shard.dryrun import dryrun
+
+    # ZeroRedundancyOptimizer's greedy partition by whole tensors, the expert blocks over the ranks holding them
+    init = dict(n_experts=8, top_k=2, d_model=64, n_layers=2)
+    flags = dict(stage=1, expert_parallel_size=2)
+    reports = dryrun(GPT, flags, 8, list(range(8)), precision="32-true", init_args=init)
+    held = [r.optimizer_bytes for r in reports]
+    assert len(set(held)) > 2  # uneven: whole tensors
+    assert [r.planner["optimizer"] for r in reports if r.planner] == held
+
+
 def _tiny_qwen3():  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers")
     return transformers.Qwen3MoeConfig(

@@ -133,13 +133,13 @@ class ExpertsTensorParallel(ParallelStyle):
                 if isinstance(value, DTensor):
                     held[name] = value
                     mod._parameters[name] = value.to_local()  # type: ignore[assignment]
-            args = list(args)
-            args[0] = _sum_backward(args[0], group)
-            if len(args) > 2:
-                args[2] = _sum_backward(args[2], group)
+            values = list(args)
+            values[0] = _sum_backward(values[0], group)
+            if len(values) > 2:
+                values[2] = _sum_backward(values[2], group)
             if "top_k_weights" in kwargs:
                 kwargs = {**kwargs, "top_k_weights": _sum_backward(kwargs["top_k_weights"], group)}
-            return tuple(args), kwargs
+            return tuple(values), kwargs
 
         def leave(mod: nn.Module, args: Any, output: Any) -> Any:
             for name, value in held.items():

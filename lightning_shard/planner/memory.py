@@ -265,7 +265,7 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     optim = (trainable / n if stage >= 1 else held_trainable) * OPTIMIZER_STATES[s.optimizer] * p
     sharding = _sharding(s, config, p)
     places: tuple[Place, ...] = ()
-    if sharding is not None:  # the model's own tensors: the worst rank's bytes (:mod:`.shards`)
+    if sharding is not None and s.shape.tensors is not None:  # the worst rank's bytes (:mod:`.shards`)
         places = shards.places(s.shape.tensors, sharding)
         worst = max(places, key=lambda place: place.model_state)
         params, grads, optim = worst.parameters, worst.gradients, worst.optimizer

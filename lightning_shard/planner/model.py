@@ -276,8 +276,10 @@ def model_shape(
         shape = replace(
             shape, params=count, trainable=count, expert_params=round(count * share), tensors=None
         )
-    given = {k: v for k, v in dims.items() if v is not None}
-    return replace(shape, **given, **({"tensors": None} if given else {}))
+    overrides: dict[str, Any] = {k: v for k, v in dims.items() if v is not None}
+    if overrides:  # a shape given for the model wins over its tensors too
+        overrides["tensors"] = None
+    return replace(shape, **overrides)
 
 
 def build_on_meta(

@@ -122,19 +122,19 @@ def tensor_table(model: nn.Module) -> TensorTable | None:
         return None
     experts: dict[str, int] = {}
     try:
-        for name, module in planned_experts(model):
-            split = set(ExpertLayout.of(module, name).expert_parameters)
-            for param, _ in module.named_parameters():
-                experts[f"{name}.{param}"] = 2 if param in split else 1
+        for owner, module in planned_experts(model):
+            split = set(ExpertLayout.of(module, owner).expert_parameters)
+            for local, _ in module.named_parameters():
+                experts[f"{owner}.{local}"] = 2 if local in split else 1
     except ValueError:
         experts = {}
     split_tp, split_ep = _tp_dims(model, False), _tp_dims(model, True)
     ends: dict[str, int] = {}
-    for names, where in ((cut.before, BEFORE), (cut.after, AFTER)):
-        for module_name in names:
+    for modules, end in ((cut.before, BEFORE), (cut.after, AFTER)):
+        for module_name in modules:
             for param_name, _ in model.get_submodule(module_name).named_parameters(remove_duplicate=False):
                 key = f"{module_name}.{param_name}"
-                ends[key] = BOTH_ENDS if ends.get(key, where) != where else where
+                ends[key] = BOTH_ENDS if ends.get(key, end) != end else end
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -155,7 +155,7 @@ def tensor_table(model: nn.Module) -> TensorTable | None:
                 experts.get(name, 0),
             )
         )
-    blocks = model.get_submodule(cut.container)
+    blocks = list(model.get_submodule(cut.container).children())
     return TensorTable(
         tuple(tensors),
         tuple(sum(p.numel() for p in block.parameters()) for block in blocks),
@@ -228,10 +228,9 @@ def place_state(table: TensorTable, s: Sharding, stage: int, index: int) -> Plac
     totals = [0, 0, 0]
     sizes: dict[int, list[int]] = {}
     for place, times in [*counts.items(), *((end_, 1) for end_ in ends)]:
-        part = _part(table, by_place.get(place, ()), s, index)
-        for i in range(3):
-            totals[i] += times * part[i]
-        for ranks, numels in part[3].items():
+        params, grads, optim_bytes, partitioned = _part(table, by_place.get(place, ()), s, index)
+        totals = [totals[0] + times * params, totals[1] + times * grads, totals[2] + times * optim_bytes]
+        for ranks, numels in partitioned.items():
             sizes.setdefault(ranks, []).extend(numels * times)
     optim = totals[2]
     for ranks, numels in sizes.items():  # stage 1: the optimizer state partitioned by whole tensors
