@@ -236,3 +236,15 @@ def test_styles_refuse_what_they_cannot_split():
     style = ExpertsTensorParallel({"missing": "colwise"})
     with pytest.raises(ValueError, match="Linear has no parameter 'missing' for the style 'colwise'"):
         style._apply(torch.nn.Linear(2, 2), None)
+
+
+def test_an_experts_parameter_style_without_a_torch_equivalent_is_refused():
+    from lightning_shard.dryrun.models import model_factory
+
+    config = _tiny_qwen3()
+    config.base_model_tp_plan = {
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+    }
+    with pytest.raises(ValueError, match=r"splits the parameters \{'gate_up_proj': 'packed_rowwise'\} of"):
+        carried_plan(model_factory(config)())

@@ -12,6 +12,10 @@ With ``expert_parallel_size`` = e a device holds E / e experts of each experts m
 count Ψ_E / e at stages 0-1 and Ψ_E / N at stages 2-3 (their optimizer state Ψ_E / N from stage 1: each
 block's partitioned over the N / e ranks holding it), its parameter copies and gradient buffers are of
 those E / e, and the all-to-all's buffers join the working buffers (:mod:`lightning_shard.planner.experts`).
+Where the model's tensors are known (a module, not a bare count) the model state is instead counted tensor by
+tensor for the first and last rank of each pipeline stage's shard group (:mod:`.shards`: TP's whole embeddings,
+FSDP2's padded dim-0 chunks, experts fewer than their shard group, ZeRO-1's whole-tensor partition), and a row
+carries the worst of them.
 
 Working buffers are what exists only during a step, on top of the model state and activations:
 
