@@ -1,4 +1,4 @@
-"""The planner's figures for the flags of a dry run: one device's parameters, gradients and optimizer state."""
+"""The planner's figures for the flags of a dry run: parameters, gradients and optimizer state at each rank's place."""
 
 from __future__ import annotations
 
