@@ -123,6 +123,15 @@ def _check(reports: list[RankReport], expect: Any) -> None:
         want = expect(report.coordinates)
         got = {k: getattr(report, k) for k in want}
         assert got == want, (report.rank, report.coordinates, got, want)
+        # the planner's figures for the same place: the same bytes, padding included
+        assert report.planner is not None
+        planned = {k: report.planner[k] for k in ("parameters", "gradients", "optimizer")}
+        held = {
+            "parameters": want["param_bytes"],
+            "gradients": want["grad_bytes"],
+            "optimizer": want["optimizer_bytes"],
+        }
+        assert planned == held, (report.rank, report.coordinates, planned, held)
 
 
 @pytest.fixture(scope="module")

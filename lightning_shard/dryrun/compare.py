@@ -1,6 +1,8 @@
-"""The planner's figures for the flags of a dry run: one device's parameters, gradients and optimizer state."""
+"""The planner's figures for the flags of a dry run: parameters, gradients and optimizer state at each rank's place."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
@@ -10,9 +12,11 @@ from lightning_shard.planner import plan
 
 def planner_figures(
     module: nn.Module, config: ShardConfig, world_size: int, precision: str
-) -> dict[str, int]:
-    """``plan(...)``'s per-device model state at ``config``'s stage, mesh and offloads (model state only): the
-    device's ``parameters``, ``gradients`` and ``optimizer``, and what the offloads keep on the ``host``."""
+) -> Callable[[dict[str, int]], dict[str, int]]:
+    """``plan(...)``'s model state at ``config``'s stage, mesh and offloads, for a rank's coordinates: the device's
+    ``parameters``, ``gradients`` and ``optimizer``, and what the offloads keep on the ``host``, of the rank at
+    that place (its pipeline stage and its index in the shard group), or the planner's worst rank's where it reads
+    no tensors of the model."""
     result = plan(
         module=module,
         world_size=world_size,
@@ -32,9 +36,16 @@ def planner_figures(
         gpus_per_node=max(8, config.tensor_parallel_size),
     )
     row = result.stages[int(config.stage)]
-    return {
+    worst = {
         "parameters": row.parameters,
         "gradients": row.gradients,
         "optimizer": row.optimizer,
         "host": row.host,
     }
+
+    def at(place: dict[str, int]) -> dict[str, int]:
+        # the shard group's index: FSDP2 / ZeRO-1 shard over ``shard x cp`` (parallel.dims)
+        index = place["shard"] * config.context_parallel_size + place["cp"]
+        return row.rank_figures(place["pp"], index) or worst
+
+    return at

@@ -38,8 +38,9 @@ class RankReport:
     """The data-parallel collectives of one step by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``),
     from the shards (:func:`~lightning_shard.dryrun.measure.collective_bytes`)."""
     planner: dict[str, int] | None = None
-    """The planner's per-device ``parameters``, ``gradients`` and ``optimizer`` for the same flags, and the
-    ``host`` bytes its offloads keep off the device (the dry run counts every shard, wherever it lives)."""
+    """The planner's ``parameters``, ``gradients`` and ``optimizer`` for the same flags at this rank's place (its
+    pipeline stage and index in the shard group), and the ``host`` bytes its offloads keep off the device (the dry
+    run counts every shard, wherever it lives)."""
     notes: tuple[str, ...] = field(default=())
 
     @property

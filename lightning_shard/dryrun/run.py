@@ -288,4 +288,4 @@ def dryrun(
     reports = [dry_run_rank(rebuild, config, policy, rank, world_size) for rank in chosen]
     if figures is None:
         return reports
-    return [RankReport(**{**r.__dict__, "planner": figures}) for r in reports]
+    return [RankReport(**{**r.__dict__, "planner": figures(r.coordinates)}) for r in reports]

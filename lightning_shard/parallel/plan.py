@@ -35,6 +35,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_shard._modules import detect_block_classes
+from lightning_shard.parallel.hf_styles import (
+    PARAMETER_STYLES,
+    ExpertsTensorParallel,
+    ReplicatedGradAllReduce,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,30 +108,56 @@ def carried_plan(model: nn.Module, experts_whole: bool = False) -> tuple[dict[st
             if base and hasattr(module, base):
                 prefix = f"{prefix}.{base}" if prefix else base
             where = f"{type(module).__name__}.config.base_model_tp_plan"
-            styles: dict[str, Any] = {}
-            for pattern, style in hf_plan.items():
-                if experts_whole and (pattern.endswith(".experts") or ".experts." in pattern):
-                    log.info(
-                        "ShardStrategy: %s (%r in %s) is expert parallelism's, whole.", pattern, style, where
-                    )
-                    continue
-                if style in _HF_KEEP_WHOLE:
-                    log.info(
-                        "ShardStrategy: %s (%r in %s) stays whole on every tensor-parallel rank.",
-                        pattern,
-                        style,
-                        where,
-                    )
-                    continue
-                if style not in _HF_STYLES:
-                    raise ValueError(
-                        f"ShardStrategy(tensor_parallel_plan=None): the plan {where} carries the style {style!r}"
-                        f" for {pattern!r}, which has no torch equivalent here. Pass tensor_parallel_plan= yourself"
-                        f" (styles {', '.join(repr(s) for s in STYLES)} or torch ParallelStyle objects)."
-                    )
-                styles[pattern] = _HF_STYLES[style]
-            return _prefixed(styles, prefix), where
+            return _prefixed(_hf_styles(hf_plan, where, experts_whole), prefix), where
     return None
+
+
+def _hf_styles(hf_plan: Mapping[str, Any], where: str, experts_whole: bool) -> dict[str, Any]:
+    """A Hugging Face plan in this module's terms: torch's styles by name, transformers' own styles as the
+    ``ParallelStyle`` objects of :mod:`.hf_styles` (an experts module's parameter entries folded into its style)."""
+    experts_modules = [p for p, style in hf_plan.items() if style == "moe_tp_experts"]
+    owned = {
+        pattern: owner
+        for owner in experts_modules
+        for pattern in hf_plan
+        if pattern.startswith(f"{owner}.") and "." not in pattern[len(owner) + 1 :]
+    }
+    styles: dict[str, Any] = {}
+    for pattern, style in hf_plan.items():
+        if experts_whole and (pattern.endswith(".experts") or ".experts." in pattern):
+            log.info("ShardStrategy: %s (%r in %s) is expert parallelism's, whole.", pattern, style, where)
+            continue
+        if style in _HF_KEEP_WHOLE:
+            log.info(
+                "ShardStrategy: %s (%r in %s) stays whole on every tensor-parallel rank.",
+                pattern,
+                style,
+                where,
+            )
+            continue
+        if pattern in owned:
+            continue  # a parameter of an experts module: split by that module's style
+        if style == "moe_tp_experts":
+            parameters = {p[len(pattern) + 1 :]: hf_plan[p] for p, owner in owned.items() if owner == pattern}
+            unknown = {name: s for name, s in parameters.items() if s not in PARAMETER_STYLES}
+            if unknown:
+                raise ValueError(
+                    f"ShardStrategy(tensor_parallel_plan=None): the plan {where} splits the parameters {unknown} of"
+                    f" {pattern!r} with styles that have no torch equivalent here. Pass tensor_parallel_plan="
+                    " yourself, or expert_parallel_size= to hold the experts whole."
+                )
+            styles[pattern] = ExpertsTensorParallel(parameters)
+        elif style == "replicated_with_grad_allreduce":
+            styles[pattern] = ReplicatedGradAllReduce()
+        elif style in _HF_STYLES:
+            styles[pattern] = _HF_STYLES[style]
+        else:
+            raise ValueError(
+                f"ShardStrategy(tensor_parallel_plan=None): the plan {where} carries the style {style!r}"
+                f" for {pattern!r}, which has no torch equivalent here. Pass tensor_parallel_plan= yourself"
+                f" (styles {', '.join(repr(s) for s in STYLES)} or torch ParallelStyle objects)."
+            )
+    return styles
 
 
 def _prefixed(plan: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -157,6 +188,14 @@ def resolve_plan(
     for pattern, style in plan.items():
         regex = _pattern(pattern, anchored)
         hits = [(name, module) for name, clean, module in named if regex.match(clean)]
+        if not hits and anchored:
+            # a carried plan names the layers of every variant of its family (dense MLPs a model of experts lacks)
+            log.info(
+                "ShardStrategy: %s of the carried plan matches no module of %s.",
+                pattern,
+                type(model).__name__,
+            )
+            continue
         if not hits:
             examples = [clean for _, clean, m in named if isinstance(m, (nn.Linear, nn.Embedding))][:6]
             raise ValueError(

@@ -13,13 +13,14 @@ from lightning_shard.pipeline.schedules import (
     schedule_class,
     stages_of_rank,
 )
-from lightning_shard.pipeline.split import StagePlan, keep_stage, plan_stages
+from lightning_shard.pipeline.split import StagePlan, balanced_starts, keep_stage, plan_stages
 
 __all__ = [
     "MICROBATCHES_PER_STAGE",
     "PipelineScheduleName",
     "StagePlan",
     "StageRunner",
+    "balanced_starts",
     "check_pipeline_flags",
     "keep_stage",
     "plan_stages",

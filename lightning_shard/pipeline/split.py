@@ -86,7 +86,7 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: tuple[str, ...]
         costs = [_numel(block) for block in container]
         head = sum(_numel(model.get_submodule(m)) for m in before)
         tail = sum(_numel(model.get_submodule(m)) for m in after)
-        starts = _balance(costs, num_stages, head, tail)
+        starts = balanced_starts(costs, num_stages, head, tail)
     plan = StagePlan(name, starts, blocks, before, after, "identity" if hf is not None else "none")
     return replace(plan, tied=_shared_parameters(model, plan))
 
@@ -221,7 +221,7 @@ def _starts_from_points(container: str, blocks: int, points: tuple[str, ...]) ->
     return tuple(starts)
 
 
-def _balance(costs: list[int], stages: int, head: int, tail: int) -> tuple[int, ...]:
+def balanced_starts(costs: list[int], stages: int, head: int, tail: int) -> tuple[int, ...]:
     """Contiguous runs of blocks, one or more per stage, minimising the largest stage's cost.
 
     ``best[s][i]``: the smallest possible largest cost when the first ``i`` blocks form ``s`` stages; the

@@ -12,6 +12,10 @@ With ``expert_parallel_size`` = e a device holds E / e experts of each experts m
 count Ψ_E / e at stages 0-1 and Ψ_E / N at stages 2-3 (their optimizer state Ψ_E / N from stage 1: each
 block's partitioned over the N / e ranks holding it), its parameter copies and gradient buffers are of
 those E / e, and the all-to-all's buffers join the working buffers (:mod:`lightning_shard.planner.experts`).
+Where the model's tensors are known (a module, not a bare count) the model state is instead counted tensor by
+tensor for the first and last rank of each pipeline stage's shard group (:mod:`.shards`: TP's whole embeddings,
+FSDP2's padded dim-0 chunks, experts fewer than their shard group, ZeRO-1's whole-tensor partition), and a row
+carries the worst of them.
 
 Working buffers are what exists only during a step, on top of the model state and activations:
 
@@ -36,9 +40,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_shard.planner import shards
 from lightning_shard.planner.activations import activation_bytes, block_activation_bytes
 from lightning_shard.planner.experts import all_to_all_bytes
 from lightning_shard.planner.model import Checkpointing, ModelShape
+from lightning_shard.planner.shards import Place
 from lightning_shard.tiling import loss_tile
 
 Offload = Literal["none", "cpu", "nvme"]
@@ -177,6 +183,27 @@ class Breakdown:
     """Why this configuration cannot run (the strategy's or the model's reason), or None."""
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     """The ``ShardStrategy`` keyword arguments this row stands for (filled when it is checked)."""
+    places: tuple[Place, ...] = ()
+    """Model state of the first and last rank of each pipeline stage's shard group, read off the model's tensors
+    (:mod:`.shards`); ``parameters``, ``gradients`` and ``optimizer`` are the worst of them. Empty: the even split."""
+    sharding: shards.Sharding | None = field(default=None, repr=False, compare=False)
+    tensors: shards.TensorTable | None = field(default=None, repr=False, compare=False)
+
+    def rank_figures(self, stage: int, index: int) -> dict[str, int] | None:
+        """``parameters``, ``gradients``, ``optimizer`` and ``host`` of the rank at ``index`` of its shard group on
+        pipeline stage ``stage`` (None without the model's tensors)."""
+        if self.sharding is None or self.tensors is None:
+            return None
+        place = shards.place_state(self.tensors, self.sharding, stage, index)
+        params, grads, optim, host = offloaded(
+            self.config, place.parameters, place.gradients, place.optimizer
+        )
+        return {
+            "parameters": int(params),
+            "gradients": int(grads),
+            "optimizer": int(optim),
+            "host": int(host),
+        }
 
     @property
     def strategy_line(self) -> str:
@@ -240,13 +267,15 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
     grads = (trainable / n if stage >= 2 else held_trainable) * p
     # Stage 1 partitions the rest over N ranks and each expert block over the N / e holding it: Ψ_E / N too.
     optim = (trainable / n if stage >= 1 else held_trainable) * OPTIMIZER_STATES[s.optimizer] * p
-    host = 0.0
-    if config.offload_optimizer != "none":
-        host, optim = host + optim, 0.0
+    sharding = _sharding(s, config, p)
+    places: tuple[Place, ...] = ()
+    if sharding is not None and s.shape.tensors is not None:  # the worst rank's bytes (:mod:`.shards`)
+        places = shards.places(s.shape.tensors, sharding)
+        worst = max(places, key=lambda place: place.model_state)
+        params, grads, optim = worst.parameters, worst.gradients, worst.optimizer
     if config.offload_params != "none":
-        host, params, expert_bytes = host + params, 0.0, 0.0
-        if config.offload_optimizer != "none":  # the optimizer steps on the host, so gradients land there
-            host, grads = host + grads, 0.0
+        expert_bytes = 0.0
+    params, grads, optim, host = offloaded(config, params, grads, optim)
     ckpt = config.activation_checkpointing
     detail = _buffers(s, config, held_params, held_trainable, block, root, p, c, reduce, mixed)
     if s.optimizer in WHOLE_MATRIX and (stage >= 2 or s.tp > 1):
@@ -298,6 +327,37 @@ def breakdown(s: Setting, config: Config) -> Breakdown:
         buffers_detail=detail,
         expert_parameters=int(expert_bytes),
         unsupported=unsupported(config, s.shape.layers),
+        places=places,
+        sharding=sharding,
+        tensors=s.shape.tensors,
+    )
+
+
+def offloaded(config: Config, params: float, grads: float, optim: float) -> tuple[float, float, float, float]:
+    """(parameters, gradients, optimizer, host): what the offloads of ``config`` move to the host."""
+    host = 0.0
+    if config.offload_optimizer != "none":
+        host, optim = host + optim, 0.0
+    if config.offload_params != "none":
+        host, params = host + params, 0.0
+        if config.offload_optimizer != "none":  # the optimizer steps on the host, so gradients land there
+            host, grads = host + grads, 0.0
+    return params, grads, optim, host
+
+
+def _sharding(s: Setting, config: Config, p: int) -> shards.Sharding | None:
+    """How :mod:`.shards` reads the model's tensors for ``config`` (None: no tensors to read, the even split)."""
+    if s.shape.tensors is None:
+        return None
+    return shards.Sharding(
+        tp=s.tp,
+        pp=s.pp,
+        shard=s.world_size,
+        ep=config.expert_parallel_size,
+        zero=config.stage,
+        param_bytes=p,
+        states=OPTIMIZER_STATES[s.optimizer],
+        step_bytes=4 if s.optimizer in ("adam", "adamw") else 0,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_shard._modules import detect_block_classes, find_blocks
 from lightning_shard.planner.experts import TOP_K_NAMES, block_params, count_experts
+from lightning_shard.planner.shards import TensorTable, tensor_table
 from lightning_shard.units import PlanInputError, parse_count
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -62,6 +63,8 @@ class ModelShape:
     """Ψ_E: parameters in the experts' weights (the part ``expert_parallel_size`` splits), of ``params``."""
     moe_layers: int = 0
     """Experts modules (MoE layers): each exchanges its tokens by all-to-all under expert parallelism."""
+    tensors: TensorTable | None = field(default=None, repr=False, compare=False)
+    """Every parameter's shape and split (:mod:`.shards`), read off a module; None for a parameter count."""
 
     @property
     def root_params(self) -> int:
@@ -163,6 +166,7 @@ def shape_from_module(module: nn.Module, source: str | None = None) -> ModelShap
         top_k=top_k,
         expert_params=moe.params if moe else 0,
         moe_layers=moe.modules if moe else 0,
+        tensors=tensor_table(module),
     )
 
 
@@ -268,8 +272,14 @@ def model_shape(
     if params is not None:
         count = parse_count(params, "params")
         share = shape.expert_params / shape.params if shape.params else 0.0
-        shape = replace(shape, params=count, trainable=count, expert_params=round(count * share))
-    return replace(shape, **{k: v for k, v in dims.items() if v is not None})
+        # a count given for the model wins over its tensors: the even split of that count
+        shape = replace(
+            shape, params=count, trainable=count, expert_params=round(count * share), tensors=None
+        )
+    overrides: dict[str, Any] = {k: v for k, v in dims.items() if v is not None}
+    if overrides:  # a shape given for the model wins over its tensors too
+        overrides["tensors"] = None
+    return replace(shape, **overrides)
 
 
 def build_on_meta(

@@ -28,6 +28,7 @@ def row_dict(row: Breakdown) -> dict[str, Any]:
         "buffers_detail": dict(row.buffers_detail),
         "expert_parameters": row.expert_parameters,
         "unsupported": row.unsupported,
+        "places": [asdict(place) for place in row.places],
     }
 
 

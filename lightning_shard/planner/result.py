@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_shard.planner import render
@@ -69,7 +69,7 @@ class Plan:
         return {
             "version": JSON_VERSION,
             "model": {
-                **asdict(self.model),
+                **{f.name: getattr(self.model, f.name) for f in fields(self.model) if f.name != "tensors"},
                 "root_params": self.model.root_params,
                 "active_params": self.model.active_params,
                 "flops_per_token": self.model.flops_per_token(self.seq_len),
