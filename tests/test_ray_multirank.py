@@ -28,7 +28,14 @@ pytest.importorskip(
     "moto", reason="the Ray job's s3:// storage needs the local S3 server: pip install 'lightning-shard[s3]'"
 )
 
-pytestmark = pytest.mark.multirank
+#: The job's limit. Its time is mostly Ray starting processes (a controller per run and a worker per rank of each
+#: attempt, 5 workers each importing torch and Lightning), stretched by the CPU load beside it. Ray starts them at
+#: nice 15 unless told otherwise (the job sets RAY_worker_niceness=0): beside the suite's other xdist workers on 2
+#: cores the job then took 780 s, one worker group 295 s to start, and at 540 s it was still starting the restarted
+#: run (its only output the lost worker's exit): slow, never waiting on anything.
+JOB_TIMEOUT_S = 900
+# The module's job runs in its first test's set-up: that test's limit (pyproject's timeout, 600 s) is raised past it.
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(JOB_TIMEOUT_S + 120)]
 
 JOB = Path(__file__).parent / "jobs" / "ray_job.py"
 SHARD = ["fsdp1", "fsdp3", "deepspeed3"]  # data-parallel over both workers, as RayDDPStrategy
@@ -40,35 +47,43 @@ DCP_RANK1 = ["checkpoint.ckpt/__1_0.distcp"]
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ray")
-    run = subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, str(JOB), "--root", str(root)],
         cwd=root,
         env=job_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a timeout stops the job with the Ray cluster it started
+        start_new_session=True,  # a timeout stops the driver with Ray's GCS and raylet (its workers end with it)
     )
     try:
-        out, _ = run.communicate(timeout=540)
+        stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        out, _ = run.communicate()
-        pytest.fail(f"the Ray job ran over 540 s; its output:\n{out[-3000:]}\n{_ray_logs()}")
-    assert run.returncode == 0, out[-4000:] + _ray_logs()
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"the Ray job did not finish within {JOB_TIMEOUT_S} s. Ray Train's controller logged:\n"
+            f"{_controller_log(root)}\n--- the job's output ---\n{(stdout + stderr)[-4000:]}"
+        )
+    assert proc.returncode == 0, (stdout + stderr)[-4000:]
     return root
 
 
-def _ray_logs(tail: int = 1500) -> str:
-    """The end of the newest Ray session's controller and worker logs: where a run that did not end stood."""
-    logs = Path("/tmp/ray/session_latest/logs")
-    found = sorted(
-        [*logs.glob("train/ray-train-sys-controller-*.log"), *logs.glob("worker-*.err")],
-        key=lambda path: path.stat().st_mtime,
-    )
-    return "".join(
-        f"\n--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}" for path in found[-6:]
-    )
+def _controller_log(root: Path) -> str:
+    """Ray Train's controller log of the job's session: each worker group's start-up steps and failures, in order."""
+    session = root / "ray_session"
+    if not session.exists():
+        return "(Ray had not started)"
+    lines = []
+    for log in sorted(Path(session.read_text(), "logs", "train").glob("ray-train-sys-controller-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            first = (str(entry.get("message", "")).splitlines() or [""])[0]
+            lines.append(f"{entry.get('asctime')} {first[:200]}")
+    return "\n".join(sorted(lines)[-60:]) or "(no controller log)"
 
 
 def _part(root: Path, part: str) -> dict[str, Any]:
