@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " --load-world-size, ranks of the loading world",
     )
     group.add_argument(
+        "--trace-step",
+        action="store_true",
+        help="also trace one training step of each rank on fake tensors (--micro-batch sequences of --seq-len"
+        " tokens): its peak memory and the collectives' bytes, beside the planner's activations and buffers",
+    )
+    group.add_argument(
         "--load-world-size",
         type=int,
         help="plan a checkpoint saved by --world-size ranks and loaded by this many: the files and bytes each"
@@ -101,13 +107,24 @@ def _document(reports: list[RankReport], flags: dict[str, Any], line: str | None
     }
 
 
-def _reports(kwargs: dict[str, Any], flags: dict[str, Any], ranks: list[int] | None) -> list[RankReport]:
+def _reports(
+    kwargs: dict[str, Any], flags: dict[str, Any], ranks: list[int] | None, trace: bool = False
+) -> list[RankReport]:
     if kwargs.get("module") is None:
         raise PlanInputError(
             "the dry run builds the model: give --model (a class path, a config.json or a name)."
         )
     try:
-        return dryrun(kwargs["module"], flags, kwargs["world_size"], ranks, precision=kwargs["precision"])
+        return dryrun(
+            kwargs["module"],
+            flags,
+            kwargs["world_size"],
+            ranks,
+            precision=kwargs["precision"],
+            trace_step=trace,
+            micro_batch=kwargs.get("micro_batch") or 1,
+            seq_len=kwargs.get("seq_len"),
+        )
     except ValueError as error:
         raise PlanInputError(str(error)) from error
 
@@ -159,7 +176,7 @@ def run(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
     result, flags = _recommended(kwargs)
     if args.load_world_size is not None:
         return _reshard(args, kwargs, flags, result.strategy)
-    reports = _reports(kwargs, flags, args.ranks)
+    reports = _reports(kwargs, flags, args.ranks, getattr(args, "trace_step", False))
     if args.json:
         print(json.dumps(_document(reports, flags, result.strategy), indent=2))
     else:

@@ -8,6 +8,12 @@ from typing import Any
 from lightning_shard.units import format_bytes
 
 JSON_VERSION = 1
+#: The planner's figures of one step (with a traced step), beside its model state's in ``RankReport.planner``.
+STEP_KINDS = ("activations", "buffers")
+
+
+def _model_state(planner: dict[str, int]) -> int:
+    return sum(v for k, v in planner.items() if k not in STEP_KINDS)
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,15 @@ class RankReport:
     planner: dict[str, int] | None = None
     """The planner's ``parameters``, ``gradients`` and ``optimizer`` for the same flags at this rank's place (its
     pipeline stage and index in the shard group), and the ``host`` bytes its offloads keep off the device (the dry
-    run counts every shard, wherever it lives)."""
+    run counts every shard, wherever it lives); with a traced step, its ``activations`` and ``buffers`` too."""
+    peak_bytes: int | None = None
+    """A traced step's peak memory (``dryrun(trace_step=True)``; ``None`` where the step is not traced)."""
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+    """The live bytes of each of torch's memory tracker's categories at that peak."""
+    traced_state_bytes: dict[str, int] = field(default_factory=dict)
+    """The ``parameters``, ``gradients`` and ``optimizer`` state the tracker sees live after the traced backward."""
+    traced_collective_bytes: dict[str, int] = field(default_factory=dict)
+    """The collectives the fake group received in the traced step, by kind (each call's largest buffer)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -58,7 +72,7 @@ class RankReport:
         if self.planner is None or (kind != "model_state" and self.planner.get("host")):
             return None
         if kind == "model_state":
-            theirs, ours = sum(self.planner.values()), self.model_state_bytes
+            theirs, ours = _model_state(self.planner), self.model_state_bytes
         else:
             theirs, ours = self.planner[kind], mine[kind]
         return 0.0 if ours == theirs else (100.0 * (theirs - ours) / ours if ours else float("inf"))
@@ -87,14 +101,28 @@ def _beside(report: RankReport, kind: str, ours: int) -> str:
     diff = report.difference(kind)
     if diff is None or report.planner is None:
         return format_bytes(ours)
-    theirs = sum(report.planner.values()) if kind == "model_state" else report.planner[kind]
+    theirs = _model_state(report.planner) if kind == "model_state" else report.planner[kind]
     return f"{format_bytes(ours)} ({format_bytes(theirs)} {diff:+.1f}%)"
+
+
+def _peak(report: RankReport) -> str:
+    """The traced step's peak, beside the planner's model state, activations and buffers."""
+    if report.peak_bytes is None:
+        return "-"
+    planner = report.planner or {}
+    if not all(k in planner for k in STEP_KINDS):
+        return format_bytes(report.peak_bytes)
+    theirs = _model_state(planner) + sum(planner[k] for k in STEP_KINDS)
+    return f"{format_bytes(report.peak_bytes)} ({format_bytes(theirs)})"
 
 
 def table(reports: list[RankReport]) -> str:
     """One line per rank; each figure with the planner's beside it (and the difference in % of the dry run's)."""
     head: tuple[str, ...] = ("rank", "place", "stage", "layers", "experts", "parameters", "gradients")
     head += ("optimizer", "model state", "checkpoint", "build")
+    traced = any(r.peak_bytes is not None for r in reports)
+    if traced:
+        head += ("step peak",)
     rows: list[tuple[str, ...]] = [head]
     for r in reports:
         place = " ".join(f"{k}{v}" for k, v in r.coordinates.items() if k not in ("edp", "ep") or r.experts)
@@ -112,6 +140,7 @@ def table(reports: list[RankReport]) -> str:
                 f"{format_bytes(r.checkpoint_bytes)} in {len(r.checkpoint_files)} file(s)",
                 f"{r.build_seconds:.2f} s",
             )
+            + ((_peak(r),) if traced else ())
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

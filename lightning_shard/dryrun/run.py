@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import nn
@@ -34,6 +34,7 @@ from lightning_shard.dryrun.measure import checkpoint_writes, collective_bytes, 
 from lightning_shard.dryrun.models import ModelSource, model_factory
 from lightning_shard.dryrun.optimizers import step_on_shards, user_optimizers
 from lightning_shard.dryrun.report import RankReport
+from lightning_shard.dryrun.trace import fake_tensors, sequence_length, traced_step, untraceable
 from lightning_shard.dryrun.world import FakeWorld, default_ranks, fake_rank
 from lightning_shard.engines import engine_class
 from lightning_shard.parallel import ParallelDims
@@ -116,16 +117,25 @@ def _unused_loss(output: Any, target: Any) -> Any:
 
 @contextmanager
 def prepared_rank(
-    build: Callable[[], nn.Module], config: ShardConfig, policy: PrecisionPolicy, rank: int, world_size: int
+    build: Callable[[], nn.Module],
+    config: ShardConfig,
+    policy: PrecisionPolicy,
+    rank: int,
+    world_size: int,
+    fake: bool = False,
 ) -> Generator[tuple[FakeWorld, nn.Module, Any, list[Any], str | None], None, None]:
     """Rank ``rank`` of ``world_size`` set up on the fake group: ``(world, module, session, optimizers, note)``,
-    valid until the group is destroyed on the way out."""
-    with fake_rank(rank, world_size):
+    valid until the group is destroyed on the way out. ``fake``: the module laid out on the CPU under fake
+    tensors (the meshes built before), so that a step can run on it (:mod:`.trace`)."""
+    with fake_rank(rank, world_size), ExitStack() as stack:
         module = build()
         setattr(module, transform._WEIGHTS, NOT_READ)
         config = config.replace(init_weights=NOT_READ)
-        world = FakeWorld(config, rank, world_size)
+        world = FakeWorld(config, rank, world_size, device="cpu" if fake else "meta")
         world.build_meshes()
+        if fake:
+            stack.enter_context(fake_tensors())
+            module.to_empty(device="cpu")
         transform.prepare_precision(policy, world)
         try:
             with _compat.ddp_without_shape_check():
@@ -146,19 +156,58 @@ def prepared_rank(
 
 
 def dry_run_rank(
-    build: Callable[[], nn.Module], config: ShardConfig, policy: PrecisionPolicy, rank: int, world_size: int
+    build: Callable[[], nn.Module],
+    config: ShardConfig,
+    policy: PrecisionPolicy,
+    rank: int,
+    world_size: int,
+    batch: tuple[int, int] | None = None,
 ) -> RankReport:
-    """Rank ``rank`` of ``world_size`` set up on the fake group (see the module's docstring)."""
+    """Rank ``rank`` of ``world_size`` set up on the fake group (see the module's docstring); with ``batch``
+    (micro-batch, sequence length), one step traced on fake tensors (:mod:`.trace`), or a note saying why not
+    (the rank then set up on meta as without it)."""
+    skip = untraceable(parallel_dims(config, world_size)) if batch is not None else None
+    if batch is not None and skip is None:
+        try:
+            return _built_rank(build, config, policy, rank, world_size, batch, None)
+        except RuntimeError as error:  # the set-up refuses fake tensors where it takes meta ones
+            skip = f"the step could not be traced: the set-up on fake tensors failed ({error.__cause__ or error})"
+    return _built_rank(build, config, policy, rank, world_size, None, skip)
+
+
+def _built_rank(
+    build: Callable[[], nn.Module],
+    config: ShardConfig,
+    policy: PrecisionPolicy,
+    rank: int,
+    world_size: int,
+    batch: tuple[int, int] | None,
+    skip: str | None,
+) -> RankReport:
     start = time.perf_counter()
-    with prepared_rank(build, config, policy, rank, world_size) as (world, module, session, optimizers, note):
+    traced: dict[str, Any] = {}
+    fake = batch is not None
+    with prepared_rank(build, config, policy, rank, world_size, fake) as (
+        world,
+        module,
+        session,
+        optimizers,
+        note,
+    ):
         held = held_bytes(session.model, optimizers)
         files, written = checkpoint_writes(
             state_dict(session, optimizers), rank, world.dims.world_size // world.dims.pp
         )
         report = _report(world, module, world.config, rank, held, files, written)
         report["collective_bytes"] = collective_bytes(session.model, held, world.dims.data_parallel_size)
+        if batch is not None:
+            try:
+                traced = traced_step(session.model, optimizers, *batch)
+            except Exception as error:  # torch's trackers refuse this layout: the rest of the report stands
+                skip = f"the step could not be traced: {type(error).__name__}: {error}"
     seconds = time.perf_counter() - start
-    notes = tuple(n for n in (note,) if n)
+    notes = tuple(n for n in (note, skip) if n)
+    report.update(traced)
     return RankReport(**{**report, "build_seconds": round(seconds, 3), "notes": notes})
 
 
@@ -249,6 +298,9 @@ def dryrun(
     precision: str | None = None,
     init_args: dict[str, Any] | None = None,
     planner: bool = True,
+    trace_step: bool = False,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
 ) -> list[RankReport]:
     """Set up ``ranks`` of a ``world_size``-rank job of ``model`` under ``strategy``, each on a fake process
     group with the model on the meta device, and report what each rank holds.
@@ -263,6 +315,9 @@ def dryrun(
             ``"bf16-mixed"``).
         init_args: constructor arguments when ``model`` is a class or a class path.
         planner: add the planner's figures for the same flags to each report.
+        trace_step: also trace one training step of each rank on fake tensors (:mod:`.trace`): its peak memory
+            and the collectives' bytes, beside the planner's activation and buffer figures.
+        micro_batch, seq_len: the traced step's batch of token ids (default sequence: the model's own length).
 
     Raises ``ValueError`` before anything is built when the layout does not divide the world or the model.
     """
@@ -282,10 +337,11 @@ def dryrun(
         setattr(module, _EXPERTS, experts)  # expert parallelism leaves each rank its E / ep: E read here
         return module
 
+    batch = (micro_batch, seq_len or sequence_length(first)) if trace_step else None
     figures = None
     if planner:
-        figures = planner_figures(first, config, world_size, policy.precision)
-    reports = [dry_run_rank(rebuild, config, policy, rank, world_size) for rank in chosen]
+        figures = planner_figures(first, config, world_size, policy.precision, batch)
+    reports = [dry_run_rank(rebuild, config, policy, rank, world_size, batch) for rank in chosen]
     if figures is None:
         return reports
     return [RankReport(**{**r.__dict__, "planner": figures(r.coordinates)}) for r in reports]

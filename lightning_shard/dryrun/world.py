@@ -24,14 +24,15 @@ from lightning_shard.parallel import ParallelDims
 
 
 class FakeWorld(ProcessGroups):
-    """Rank ``rank`` of ``world_size``, its parameters on the meta device (nothing is allocated)."""
+    """Rank ``rank`` of ``world_size``, its parameters on the meta device (nothing is allocated), or on
+    ``device`` (the CPU under fake tensors, for a traced step)."""
 
-    def __init__(self, config: ShardConfig, rank: int, world_size: int) -> None:
+    def __init__(self, config: ShardConfig, rank: int, world_size: int, device: str = "meta") -> None:
         self.config = config
         super().__init__()
         self.global_rank, self.world_size = rank, world_size
         self.local_rank = self.node_rank = 0
-        self.parallel_devices = [torch.device("meta")]
+        self.parallel_devices = [torch.device(device)]
         self.cluster_environment = None
         self._process_group_backend = "fake"
 
