@@ -19,8 +19,11 @@ GPT = "lightning_shard.demos.gpt.GPT"
 TINY = {"vocab_size": 250, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4}
 
 
-def _run(ranks: list[int] | None = None, **flags: object) -> list[RankReport]:
-    return dryrun(GPT, {"stage": 3, **flags}, 8, ranks or [0], init_args=TINY, trace_step=True, micro_batch=2)
+def _run(ranks: list[int] | None = None, experts: int = 0, **flags: object) -> list[RankReport]:
+    init_args = {**TINY, "n_experts": experts}
+    return dryrun(
+        GPT, {"stage": 3, **flags}, 8, ranks or [0], init_args=init_args, trace_step=True, micro_batch=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,7 @@ def test_tensor_parallel_step_adds_the_activations_traffic():
     [
         ({"pipeline_parallel_size": 2}, "not traced with pipeline stages"),
         ({"stage": 0}, "the set-up on fake tensors failed"),
+        ({"experts": 4, "expert_parallel_size": 2}, "aten.bincount"),  # data-dependent routing
     ],
 )
 def test_untraced_layouts_say_why(flags, note):
