@@ -12,6 +12,7 @@ docs/dryrun.md. Modules:
 ``measure``          bytes held and written, from the shards
 ``optimizers``       the user's optimizers over the shards, one step on meta
 ``compare``          the planner's figures for the same flags
+``trace``            one training step on fake tensors: its peak memory, the collectives the fake group receives
 ``report``           :class:`RankReport`, its JSON and table
 ``run``              :func:`dryrun`, the checks before anything is built
 ``checkpoint_plan``  a sharded checkpoint's DCP metadata and reads for every rank, from metadata only
