@@ -158,14 +158,16 @@ def fsdp_units(model: torch.nn.Module) -> list[dict[str, Any]]:
     """Each FSDP2 unit of ``model``: its padded local elements, the bytes of an element as gathered and as
     reduced (the mixed-precision policy's), the sizes of its shard and replicate groups, and whether forward
     reshards it (gathered again in backward). ``[]`` where a release lacks FSDP2's private records."""
-    units = []
+    units, seen = [], set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         try:  # private torch API: the FSDP state, its parameter group and mesh records
             group = module._get_fsdp_state()._fsdp_param_group
-            if group is None or not group.fsdp_params:
+            # The modules of a grouped unit (``fully_shard([block, block])``) share one state: counted once.
+            if group is None or not group.fsdp_params or id(group) in seen:
                 continue
+            seen.add(id(group))
             info, policy = group.mesh_info, group.mp_policy
             dtype = group.fsdp_params[0].sharded_param.dtype
             units.append(
