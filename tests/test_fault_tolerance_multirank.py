@@ -197,9 +197,14 @@ def test_a_killed_group_restarts_alone_and_heals_from_the_live_one_while_it_trai
     # collective at FAIL, which both groups must take part in, is a heal this test can check.
     back = next(i for i in range(KILL + 1, steps) if survivor[0]["participants"][i] == 2)
     assert KILL + 1 < back < fail, survivor[0]["participants"]
+    # A fit's first quorums may come before the other group's set-up has reached the Lighthouse (the groups are
+    # separate launches; on a busy machine their imports end seconds apart): the live group trains alone until
+    # the other joins by a heal. Both must hold step KILL, where group 1 dies.
+    late = next(i for i, n in enumerate(survivor[0]["participants"]) if n == 2)
+    assert late <= KILL, survivor[0]["participants"]
     for rank, record in enumerate(survivor):
         assert len(record["losses"]) == steps and record["global_step"] == steps  # one process, every step
-        expected = [2] * (KILL + 1) + [1] * (back - KILL - 1) + [2] * (steps - back)
+        expected = [1] * late + [2] * (KILL + 1 - late) + [1] * (back - KILL - 1) + [2] * (steps - back)
         assert record["asked_ahead"] == steps - 1, record["asked_ahead"]
         assert record["participants"] == expected, (stage, record["participants"])
         # The failed collective: that step discarded (the weights untouched), every other one taken.
