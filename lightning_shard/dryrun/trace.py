@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_shard.parallel import ParallelDims
 
-_SEQ = ("seq_len", "max_position_embeddings", "n_positions", "block_size", "n_ctx")
 _KINDS = (
     ("all_gather", ("allgather", "all_gather")),
     ("reduce_scatter", ("reduce_scatter",)),
@@ -106,14 +105,11 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def sequence_length(module: nn.Module) -> int:
-    """The model's own context length (``seq_len``, ``max_position_embeddings``, ...), else 2048."""
-    for sub in module.modules():
-        for holder in (sub, getattr(sub, "config", None), getattr(sub, "hparams", None)):
-            for name in _SEQ:
-                value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
-    return 2048
+    """The model's own context length, found as the planner finds it (``seq_len``, ``max_position_embeddings``,
+    ...), else 2048."""
+    from lightning_shard.planner.model import _SEQ, _find_int
+
+    return _find_int(module, _SEQ, deep=True) or 2048
 
 
 def _loss(output: Any) -> torch.Tensor:

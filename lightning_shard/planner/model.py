@@ -26,7 +26,7 @@ Checkpointing = Literal["none", "selective", "full"]
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "embed_dim")
 _HEADS = ("num_attention_heads", "n_heads", "n_head", "num_heads")
 _VOCAB = ("vocab_size", "n_vocab")
-_SEQ = ("seq_len", "max_position_embeddings", "n_positions", "block_size", "max_seq_len")
+_SEQ = ("seq_len", "max_position_embeddings", "n_positions", "block_size", "max_seq_len", "n_ctx")
 # GPT-3's family keeps hidden / layers near 128 (e.g. 4096 / 32, 12288 / 96): a fair guess of a shape.
 _ASPECT = 128
 
